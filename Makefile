@@ -1,0 +1,52 @@
+# The index of what a person can do with this repo. `make help` lists the targets.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
+CONFIG ?= recipes/smoke.yaml
+ARGS ?=
+
+.PHONY: help install test test-gpu lint format bench smoke-test compare inspect-data verify-packing clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(VENV)/bin/python:
+	python3 -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	# torch first: a pinned release that satisfies requirements.txt, so pip does not pull another build
+	$(VENV)/bin/pip install -q torch==2.13.0
+	$(VENV)/bin/pip install -q -r requirements-dev.txt
+
+install: $(VENV)/bin/python  ## create .venv with the pinned requirements (skipped when it exists)
+
+test: install  ## run the test suite (CPU: Triton kernels under TRITON_INTERPRET=1; GPU tests skip without CUDA)
+	$(VENV)/bin/python -m pytest -q tests
+
+test-gpu:  ## run only the GPU-marked tests (on a CUDA machine, with the system python)
+	$(PY) -m pytest -q -m gpu tests
+
+lint: install  ## ruff, line length 120
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install  ## apply ruff's fixes and formatting
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
+	$(PY) scripts/bench_mrope.py --out artifacts/bench
+
+smoke-test:  ## the main job on the built-in tiny model and synthetic data (GPU if present, else a smaller CPU run)
+	$(PY) scripts/smoke_test.py $(ARGS)
+
+inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency
+	$(PY) scripts/inspect_data.py --config $(CONFIG) $(ARGS)
+
+verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
+	$(PY) scripts/verify_packing.py --config $(CONFIG) $(ARGS)
+
+compare:  ## wandb throughput comparison: fused vs unfused rope (and packed vs padded)
+	$(PY) scripts/compare_throughput.py --config $(CONFIG) $(ARGS)
+
+clean:  ## remove caches and run outputs (keeps .venv)
+	rm -rf .pytest_cache .ruff_cache artifacts runs wandb

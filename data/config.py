@@ -1,0 +1,46 @@
+"""Recipe sections read by the data pipeline: `data` (what to load and how to process it) and `packing`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from training.config_tree import ConfigError
+
+
+@dataclass
+class DataConfig:
+    path: str = "builtin"  # a file, a directory, a hub id, or "builtin" for the generated dataset
+    image_root: str | None = None  # where relative image paths resolve (default: the data file's directory)
+    format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
+    num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
+    eval_fraction: float = 0.02  # held-out share for periodic eval
+    min_pixels: int | None = None  # image resize bounds passed to the image processor
+    max_pixels: int | None = None
+    num_proc: int = 1  # datasets.map workers
+    streaming: bool = False  # iterate without loading everything in memory
+    on_error: Literal["skip", "raise"] = "skip"  # bad samples: counted and logged, or an error naming the sample
+    cache_dir: str | None = None
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
+        if self.num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
+        if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
+            raise ConfigError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels}).")
+
+
+@dataclass
+class PackingConfig:
+    mode: Literal["packed", "padded"] = "packed"  # packed THD batches, or padded per-sample batches (baseline)
+    max_tokens: int = 8192  # token budget of one pack (per rank, per micro-step)
+    buffer_size: int = 512  # samples held for best-fit-decreasing
+    padded_batch_size: int = 8  # samples per batch in padded mode
+
+    def validate(self) -> None:
+        if self.max_tokens < 16:
+            raise ConfigError(f"packing.max_tokens must be >= 16, got {self.max_tokens}.")
+        if self.buffer_size < 1:
+            raise ConfigError(f"packing.buffer_size must be >= 1, got {self.buffer_size}.")

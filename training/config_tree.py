@@ -1,0 +1,162 @@
+"""Typed config trees from YAML recipes: loading, dotted overrides, strict keys, saving.
+
+Generic machinery only; the sections themselves live with the code that reads them (see `training/config.py`).
+YAML is data: every key must name a dataclass field, and an unknown key fails with the nearest valid key named.
+Fields typed `dict` are free-form (e.g. a Hugging Face model config) and accept any nested keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot be turned into the typed config; the message says how to fix it."""
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f" Did you mean '{where}{close[0]}'?" if close else ""
+    return ConfigError(f"unknown key '{where}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}.")
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    """Check/convert a YAML value against a field's annotation (the subset of types configs use)."""
+    origin = typing.get_origin(typ)
+    if dataclasses.is_dataclass(typ):
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{where}' is a section: expected a mapping, got {value!r}.")
+        return build(typ, value, prefix=f"{where}.")
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(typ)
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ConfigError(f"'{where}' may not be null.")
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as exc:
+                errors.append(str(exc))
+        raise ConfigError(errors[0] if len(errors) == 1 else f"'{where}': {value!r} fits none of {typ}.")
+    if origin is typing.Literal:
+        choices = typing.get_args(typ)
+        if value not in choices:
+            raise ConfigError(f"'{where}' must be one of {list(choices)}, got {value!r}.")
+        return value
+    if origin in (list, tuple):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"'{where}' expects a list, got {value!r}.")
+        (item,) = typing.get_args(typ)[:1] or (Any,)
+        items = [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if typ is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"'{where}' expects a mapping, got {value!r}.")
+        return value
+    if typ is Any:
+        return value
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is float and isinstance(value, str):
+        try:  # YAML 1.1 reads `1e-4` (no dot) as a string
+            return float(value)
+        except ValueError:
+            pass
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"'{where}' expects true or false, got {value!r}.")
+    if typ in (int, float, str) and (not isinstance(value, typ) or isinstance(value, bool) and typ is not bool):
+        raise ConfigError(f"'{where}' expects {typ.__name__}, got {value!r} ({type(value).__name__}).")
+    return value
+
+
+def build(cls: type, raw: dict[str, Any], prefix: str = "") -> Any:
+    """Build dataclass `cls` from a nested mapping; missing keys take their defaults."""
+    types_ = _field_types(cls)
+    for key in raw:
+        if key not in types_:
+            raise _unknown_key_error(key, list(types_), prefix)
+    kwargs = {key: _coerce(value, types_[key], f"{prefix}{key}") for key, value in raw.items()}
+    obj = cls(**kwargs)
+    check = getattr(obj, "validate", None)
+    if check is not None:
+        check()
+    return obj
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """Turn ['a.b=1', 'c=x'] into {'a': {'b': 1}, 'c': 'x'}; values are parsed as YAML scalars/lists."""
+    nested: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' is not of the form dotted.key=value (e.g. train.max_steps=100).")
+        key, text = item.split("=", 1)
+        parts = key.strip().split(".")
+        if not all(parts):
+            raise ConfigError(f"override '{item}' has an empty key part.")
+        node = nested
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override '{item}' conflicts with another override of '{part}'.")
+        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+    return nested
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """Recursively merge `update` into a copy of `base` (mappings merge, everything else replaces)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load(cls: type, path: str | Path | None, overrides: list[str] | None = None) -> Any:
+    """Load recipe YAML at `path` (or only defaults when None), apply dotted overrides, build `cls`."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe '{path}' does not exist (recipes live in recipes/*.yaml).")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"recipe '{path}' must be a YAML mapping of sections, got {type(raw).__name__}.")
+    raw = deep_merge(raw, parse_overrides(overrides or []))
+    return build(cls, raw)
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    """The resolved config as plain data (tuples become lists so YAML stays portable)."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, tuple | list):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        return value
+
+    return plain(dataclasses.asdict(obj))
+
+
+def save(obj: Any, path: str | Path) -> None:
+    """Write the resolved config so a run directory records exactly what ran."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(to_dict(obj), sort_keys=False))
