@@ -38,9 +38,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return torch.cat((rotated.to(x.dtype), x[..., rot:]), dim=-1)
 
 
-def mrope_angles(
-    positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, interleaved: bool
-) -> torch.Tensor:
+def mrope_angles(positions: torch.Tensor, inv_freq: torch.Tensor, mrope_section, interleaved: bool) -> torch.Tensor:
     """fp32 angles (*lead, R/2): lane j uses the position of its axis times inv_freq[j]."""
     axes = mrope_lane_axes(mrope_section, interleaved, device=positions.device)
     pos = positions.float()  # (3, *lead)

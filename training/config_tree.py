@@ -80,7 +80,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             pass
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"'{where}' expects true or false, got {value!r}.")
-    if typ in (int, float, str) and (not isinstance(value, typ) or isinstance(value, bool) and typ is not bool):
+    if typ in (int, float, str) and (not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool)):
         raise ConfigError(f"'{where}' expects {typ.__name__}, got {value!r} ({type(value).__name__}).")
     return value
 
