@@ -18,9 +18,10 @@ class DataConfig:
     min_pixels: int | None = None  # image resize bounds passed to the image processor
     max_pixels: int | None = None
     num_proc: int = 1  # datasets.map workers
+    num_workers: int = 2  # processes collating batches (image decode + image processor) ahead of the step; 0 = inline
     streaming: bool = False  # iterate without loading everything in memory
     on_error: Literal["skip", "raise"] = "skip"  # bad samples: counted and logged, or an error naming the sample
-    cache_dir: str | None = None
+    cache_dir: str | None = None  # built-in dataset, tiny processor and processed-data cache (default: .cache)
     seed: int = 0
 
     def validate(self) -> None:
@@ -28,6 +29,8 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
         if self.num_proc < 1:
             raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
+        if self.num_workers < 0:
+            raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels}).")
 
@@ -38,9 +41,15 @@ class PackingConfig:
     max_tokens: int = 8192  # token budget of one pack (per rank, per micro-step)
     buffer_size: int = 512  # samples held for best-fit-decreasing
     padded_batch_size: int = 8  # samples per batch in padded mode
+    vision_cost_weight: float = 1.0  # rank balancing cost of a pack = LLM tokens + this x ViT patches
+    balance_window_steps: int = 8  # steps whose packs are balanced together across ranks
 
     def validate(self) -> None:
         if self.max_tokens < 16:
             raise ConfigError(f"packing.max_tokens must be >= 16, got {self.max_tokens}.")
         if self.buffer_size < 1:
             raise ConfigError(f"packing.buffer_size must be >= 1, got {self.buffer_size}.")
+        if self.padded_batch_size < 1:
+            raise ConfigError(f"packing.padded_batch_size must be >= 1, got {self.padded_batch_size}.")
+        if self.balance_window_steps < 1:
+            raise ConfigError(f"packing.balance_window_steps must be >= 1, got {self.balance_window_steps}.")

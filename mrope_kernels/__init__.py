@@ -2,5 +2,14 @@
 that puts them into transformers' models."""
 
 from mrope_kernels.ops import apply_mrope, apply_vision_rope
+from mrope_kernels.patch import PatchError, PatchReport, apply_rope_choice, patch_model, unpatch_model
 
-__all__ = ["apply_mrope", "apply_vision_rope"]
+__all__ = [
+    "PatchError",
+    "PatchReport",
+    "apply_mrope",
+    "apply_rope_choice",
+    "apply_vision_rope",
+    "patch_model",
+    "unpatch_model",
+]

@@ -1,6 +1,291 @@
-"""Public rotary ops. PLACEHOLDER until the Triton kernels land: dispatches to the reference implementation."""
+"""Public rotary ops: input validation, dispatch, autograd and `torch.library` registration.
 
-from mrope_kernels.reference import apply_mrope_reference as apply_mrope
-from mrope_kernels.reference import apply_vision_rope_reference as apply_vision_rope
+`apply_mrope` / `apply_vision_rope` validate their inputs (ValueError with the fix), then call one custom op:
+`mrope_kernels::rope` (out-of-place, autograd via `register_autograd`, fake impl for torch.compile) or
+`mrope_kernels::rope_` (in-place on q and k, wrapped in an autograd.Function that marks them dirty).
+The backward of either is the forward op with the angle negated; only positions and inv_freq are saved.
 
-__all__ = ["apply_mrope", "apply_vision_rope"]
+Dispatch: CUDA tensors run the Triton kernel; CPU tensors run it under TRITON_INTERPRET=1, otherwise the
+plain-PyTorch reference (`mrope_kernels.reference`) with the same math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mrope_kernels import triton_rope
+from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_NO_SECTIONS = [0, 0, 0]
+
+
+def _runs_triton(x: torch.Tensor) -> bool:
+    return x.is_cuda or (x.device.type == "cpu" and triton_rope.RUNS_IN_INTERPRETER)
+
+
+def _rotate_into(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate) -> None:
+    """Rotate q, k into q_out, k_out (possibly the same tensors) with whichever backend fits the device."""
+    if _runs_triton(q):
+        triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate)
+        return
+    # Reference path. Negating integer positions negates the fp32 angle exactly (cos even, sin odd).
+    signed_positions = -positions if conjugate else positions
+    if layout == triton_rope.LAYOUT_VISION:
+        rq, rk = apply_vision_rope_reference(q, k, signed_positions, inv_freq)
+    else:
+        interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
+        rq, rk = apply_mrope_reference(q, k, signed_positions, inv_freq, sections, interleaved, scaling)
+    if q_out.data_ptr() == q.data_ptr():
+        rotary_dim = 2 * inv_freq.numel() if layout != triton_rope.LAYOUT_VISION else 4 * inv_freq.numel()
+        q[..., :rotary_dim].copy_(rq[..., :rotary_dim])
+        k[..., :rotary_dim].copy_(rk[..., :rotary_dim])
+    else:
+        q_out.copy_(rq)
+        k_out.copy_(rk)
+
+
+def _rotated(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
+    """Out-of-place rotation into new tensors with q's / k's layout (empty_like keeps transposed strides)."""
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _rotate_into(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate)
+    return q_out, k_out
+
+
+def _contiguous_last_dim(grad: torch.Tensor) -> torch.Tensor:
+    # Autograd may hand over expanded (stride-0) or otherwise odd gradients; the kernel needs stride(-1) == 1.
+    return grad if grad.stride(-1) == 1 else grad.contiguous()
+
+
+@torch.library.custom_op("mrope_kernels::rope", mutates_args=())
+def _rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    layout: int,
+    sections: list[int],
+    scaling: float,
+    conjugate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Out-of-place rotation as an opaque op for torch.compile (the eager path skips the dispatcher)."""
+    return _rotated(q, k, positions, inv_freq, layout, sections, scaling, conjugate)
+
+
+@_rope.register_fake
+def _rope_fake(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rope_setup_context(ctx, inputs, output) -> None:
+    _, _, positions, inv_freq, layout, sections, scaling, conjugate = inputs
+    ctx.save_for_backward(positions, inv_freq)
+    ctx.static_args = (layout, sections, scaling, conjugate)
+
+
+def _rope_backward(ctx, grad_q, grad_k):
+    positions, inv_freq = ctx.saved_tensors
+    layout, sections, scaling, conjugate = ctx.static_args
+    grad_q, grad_k = _rope(
+        _contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq,
+        layout, sections, scaling, not conjugate,
+    )  # fmt: skip
+    return grad_q, grad_k, None, None, None, None, None, None
+
+
+torch.library.register_autograd("mrope_kernels::rope", _rope_backward, setup_context=_rope_setup_context)
+
+
+class _RopeFunction(torch.autograd.Function):
+    """Eager twin of `mrope_kernels::rope` + its registered autograd: same kernels, no dispatcher round trips.
+
+    The custom-op dispatch costs tens of µs of host time per call (forward and backward), as much as the kernel
+    itself at 16k tokens, so eager calls come here and only torch.compile traces go through the op.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, layout, sections, scaling):
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.static_args = (layout, sections, scaling)
+        return _rotated(q, k, positions, inv_freq, layout, sections, scaling, False)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, inv_freq = ctx.saved_tensors
+        grad_q, grad_k = _rotated(
+            _contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq, *ctx.static_args, True
+        )
+        return grad_q, grad_k, None, None, None, None, None
+
+
+@torch.library.custom_op("mrope_kernels::rope_", mutates_args=("q", "k"))
+def _rope_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    layout: int,
+    sections: list[int],
+    scaling: float,
+    conjugate: bool,
+) -> None:
+    """In-place rotation of lanes [0, R) of q and k; lanes [R, D) are neither read nor written."""
+    _rotate_into(q, k, q, k, positions, inv_freq, layout, sections, scaling, conjugate)
+
+
+@_rope_inplace.register_fake
+def _rope_inplace_fake(q, k, positions, inv_freq, layout, sections, scaling, conjugate) -> None:
+    return None
+
+
+def _rotate_in_place(q, k, positions, inv_freq, layout, sections, scaling, conjugate) -> None:
+    if torch.compiler.is_compiling():
+        _rope_inplace(q, k, positions, inv_freq, layout, sections, scaling, conjugate)
+    else:
+        _rotate_into(q, k, q, k, positions, inv_freq, layout, sections, scaling, conjugate)
+
+
+def _is_dense_permutation(x: torch.Tensor) -> bool:
+    """True when x's elements tile its memory exactly once (a contiguous tensor or a transpose of one)."""
+    expected_stride = 1
+    for size, stride in sorted((d for d in zip(x.shape, x.stride()) if d[0] != 1), key=lambda d: d[1]):
+        if stride != expected_stride:
+            return False
+        expected_stride *= size
+    return True
+
+
+def _writable_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient itself when the kernel may rotate it in place, else a contiguous copy (expanded or strided)."""
+    if grad.stride(-1) == 1 and _is_dense_permutation(grad):
+        return grad
+    return grad.contiguous()
+
+
+class _RopeInplace(torch.autograd.Function):
+    """In-place forward (marks q, k dirty). The backward rotates the incoming gradients in place by -angle, as
+    flash-attention's in-place rotary does: lanes [R, D) of the gradient are the identity and stay untouched."""
+
+    @staticmethod
+    def forward(ctx, q, k, positions, inv_freq, layout, sections, scaling):
+        _rotate_in_place(q, k, positions, inv_freq, layout, sections, scaling, False)
+        ctx.mark_dirty(q, k)
+        ctx.save_for_backward(positions, inv_freq)
+        ctx.static_args = (layout, sections, scaling)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        positions, inv_freq = ctx.saved_tensors
+        grad_q, grad_k = _writable_gradient(grad_q), _writable_gradient(grad_k)
+        _rotate_in_place(grad_q, grad_k, positions, inv_freq, *ctx.static_args, True)
+        return grad_q, grad_k, None, None, None, None, None
+
+
+def _rotate(q, k, positions, inv_freq, layout, sections, scaling, inplace):
+    if inplace:
+        return _RopeInplace.apply(q, k, positions, inv_freq, layout, sections, scaling)
+    if torch.compiler.is_compiling():
+        return _rope(q, k, positions, inv_freq, layout, sections, scaling, False)
+    return _RopeFunction.apply(q, k, positions, inv_freq, layout, sections, scaling)
+
+
+def apply_mrope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    mrope_section: Sequence[int],
+    interleaved: bool = False,
+    attention_scaling: float = 1.0,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Text multimodal rope (Qwen2/2.5-VL chunked, Qwen3-VL / Qwen3.5 interleaved, partial rotary).
+
+    q: (T, Hq, D) packed or (B, S, Hq, D); k: same leading dims, Hk heads; fp16/bf16/fp32, one dtype, any strides
+    with a contiguous last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
+    inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
+    attention_scaling multiplies cos and sin. Returns (q_out, k_out) in the input dtype; with inplace=True,
+    q and k themselves (only lanes [0, R) written). Differentiable in q and k.
+    """
+    sections = _check_sections(mrope_section, inv_freq)
+    _check_pair(q, k, inv_freq, positions)
+    lead = tuple(q.shape)[:-2]
+    if tuple(positions.shape) != (3, *lead):
+        raise ValueError(
+            f"positions has shape {tuple(positions.shape)} but q/k have {lead} tokens: pass (3, *{lead}) "
+            "(temporal, height, width rows; drop the text row 0 of 4-row position_ids)"
+        )
+    rotary_dim = 2 * inv_freq.numel()
+    if rotary_dim > q.shape[-1]:
+        raise ValueError(f"rotary dim R = 2*len(inv_freq) = {rotary_dim} exceeds head_dim {q.shape[-1]}")
+    layout = triton_rope.LAYOUT_INTERLEAVED if interleaved else triton_rope.LAYOUT_CHUNKED
+    return _rotate(q, k, positions, inv_freq, layout, sections, float(attention_scaling), inplace)
+
+
+def apply_vision_rope(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inplace: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ViT 2-D rope. q, k: (T, H, D) (any strides, contiguous last dim), one float dtype; positions: integer
+    (T, 2) [row, col]; inv_freq: fp32 (D/4,). Lane j < D/4 uses row * inv_freq[j], D/4 <= j < D/2 uses
+    col * inv_freq[j - D/4]; rotate-half pairs over the whole head. Returns (q_out, k_out) in the input dtype
+    (q, k themselves with inplace=True). Differentiable in q and k."""
+    _check_pair(q, k, inv_freq, positions)
+    if q.dim() != 3:
+        raise ValueError(f"vision q/k must be (T, H, D), got {q.dim()}-D; flatten patches into T")
+    n_tokens, head_dim = q.shape[0], q.shape[-1]
+    if head_dim % 4 or 4 * inv_freq.numel() != head_dim:
+        raise ValueError(
+            f"vision rope needs head_dim divisible by 4 and inv_freq of length head_dim/4; got head_dim {head_dim}, "
+            f"len(inv_freq) {inv_freq.numel()} (transformers builds it from dim = head_dim/2)"
+        )
+    if tuple(positions.shape) != (n_tokens, 2):
+        raise ValueError(f"vision positions must be (T, 2) = ({n_tokens}, 2) [row, col], got {tuple(positions.shape)}")
+    return _rotate(q, k, positions, inv_freq, triton_rope.LAYOUT_VISION, _NO_SECTIONS, 1.0, inplace)
+
+
+def _check_sections(mrope_section: Sequence[int], inv_freq: torch.Tensor) -> list[int]:
+    sections = list(mrope_section)
+    if len(sections) != 3 or any(not isinstance(s, int) or s < 0 for s in sections):
+        raise ValueError(f"mrope_section must be 3 non-negative ints [temporal, height, width], got {mrope_section}")
+    if sum(sections) != inv_freq.numel():
+        raise ValueError(
+            f"mrope_section {sections} sums to {sum(sections)} but len(inv_freq) = R/2 = {inv_freq.numel()}: "
+            "use the model config's rope_parameters['mrope_section'] with the inv_freq of the same rotary module"
+        )
+    return sections
+
+
+def _check_pair(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> None:
+    """Checks shared by both ops: shapes, dtypes, devices, strides."""
+    q_shape, k_shape = tuple(q.shape), tuple(k.shape)
+    if len(q_shape) not in (3, 4) or len(k_shape) != len(q_shape):
+        raise ValueError(f"q and k must both be (T, H, D) or (B, S, H, D), got {q_shape} and {k_shape}")
+    if q_shape[:-2] != k_shape[:-2] or q_shape[-1] != k_shape[-1]:
+        raise ValueError(
+            f"q {tuple(q.shape)} and k {tuple(k.shape)} must share leading (token) dims and head_dim; only the "
+            "head count may differ (GQA)"
+        )
+    if q_shape[-1] % 2:
+        raise ValueError(f"head_dim must be even for rotate-half rope, got {q_shape[-1]}")
+    if q.dtype != k.dtype or q.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"q and k must share one dtype among {_FLOAT_DTYPES}, got {q.dtype} and {k.dtype}")
+    if inv_freq.dtype != torch.float32 or inv_freq.dim() != 1:
+        raise ValueError(
+            f"inv_freq must be a 1-D float32 tensor, got {inv_freq.dtype} {tuple(inv_freq.shape)}: pass the rotary "
+            "module's inv_freq buffer (fp32), not a cast copy"
+        )
+    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
+        raise ValueError(f"positions must be an integer tensor (torch.long or int32), got {positions.dtype}")
+    if not (q.device == k.device == positions.device == inv_freq.device):
+        devices = [str(t.device) for t in (q, k, positions, inv_freq)]
+        raise ValueError(f"q, k, positions and inv_freq must be on one device, got {devices} (in that order)")
+    if q.stride(-1) != 1 or k.stride(-1) != 1:
+        raise ValueError(
+            f"q and k need a contiguous last (head_dim) dim, got strides {q.stride()} and {k.stride()}: transposed "
+            "views of other dims are fine, call .contiguous() only if the head dim itself is strided"
+        )
+    if not inv_freq.is_contiguous():
+        raise ValueError("inv_freq must be contiguous; pass the rotary module's buffer")

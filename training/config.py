@@ -57,6 +57,18 @@ class TrainConfig:
     eval_batches: int = 4
 
     def validate(self) -> None:
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr must be > 0, got {self.lr}.")
+        for name in ("lr_vision", "lr_merger"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise ConfigError(f"train.{name} must be >= 0 (or null for train.lr), got {value}.")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}.")
+        if self.max_grad_norm < 0:
+            raise ConfigError(f"train.max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}.")
+        if self.eval_every < 0 or self.eval_batches < 1:
+            raise ConfigError("train.eval_every must be >= 0 (0 = off) and train.eval_batches >= 1.")
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}.")
         if self.grad_accum_steps < 1:
@@ -72,6 +84,14 @@ class CheckpointConfig:
     every_steps: int = 0  # 0 = only at the end
     keep_last: int = 2
     export: bool = True  # save_pretrained + processor at the end
+    save_final: bool = True  # a resumable checkpoint after the last step (benchmarks turn it off: no disk traffic)
+    resume: str | None = None  # "latest" (this run's newest checkpoint, if any), a checkpoint dir, or null
+
+    def validate(self) -> None:
+        if self.every_steps < 0:
+            raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 = only at the end), got {self.every_steps}.")
+        if self.keep_last < 1:
+            raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}.")
 
 
 @dataclass
@@ -82,6 +102,17 @@ class LoggingConfig:
     group: str | None = None
     tags: list[str] = field(default_factory=list)
     every_steps: int = 10
+    timing_warmup_steps: int = 5  # steps excluded from the summary's throughput and MFU (allocator, autotuning)
+    peak_tflops: float | None = None  # the device's dense bf16 peak for MFU; null = look it up (training/metrics.py)
+    progress_bar: bool = True
+
+    def validate(self) -> None:
+        if self.every_steps < 1:
+            raise ConfigError(f"logging.every_steps must be >= 1, got {self.every_steps}.")
+        if self.timing_warmup_steps < 0:
+            raise ConfigError(f"logging.timing_warmup_steps must be >= 0, got {self.timing_warmup_steps}.")
+        if self.peak_tflops is not None and self.peak_tflops <= 0:
+            raise ConfigError(f"logging.peak_tflops must be > 0 or null, got {self.peak_tflops}.")
 
 
 @dataclass
@@ -93,6 +124,20 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> None:
+        """Checks across sections (each section checks its own fields)."""
+        if self.train.eval_every and self.data.eval_fraction == 0:
+            raise ConfigError(
+                "train.eval_every > 0 needs a held-out split: set data.eval_fraction > 0 (e.g. 0.02) "
+                "or train.eval_every=0."
+            )
+        for part in ("vision", "merger"):
+            if getattr(self.model, f"freeze_{part}") and getattr(self.train, f"lr_{part}") is not None:
+                raise ConfigError(
+                    f"train.lr_{part} is set but model.freeze_{part} is true: unset one of them "
+                    f"(train.lr_{part}=null or model.freeze_{part}=false)."
+                )
 
 
 def load_config(path: str | None, overrides: list[str] | None = None) -> Config:

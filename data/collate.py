@@ -1,0 +1,134 @@
+"""Processed samples → the batch tensors of docs/architecture.md ("The packed batch"), on the host, once per batch.
+
+Packed: one (1, T) row of concatenated samples with cu_seqlens / seq_idx / 4-row positions. Padded: (B, S) rows,
+right-padded, with an attention mask. In both, `shift_labels[t]` is the target of position t: the label of token
+t+1 of the same sample, and -100 at each sample's last token, so no position predicts across a boundary.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from data.formats import load_image
+from data.processing import IGNORE_INDEX
+
+TEXT, IMAGE, VIDEO = 0, 1, 2
+
+
+class Collator:
+    """Builds batches from processed rows (dicts with the columns of processing.PROCESSED_FEATURES).
+
+    Args: image_processor (makes pixel_values; must be the one the rows were processed with), image_kwargs (the
+    pixel-bound overrides used at processing), image_token_id / video_token_id / pad_token_id (the model's ids).
+    """
+
+    def __init__(
+        self, image_processor, image_kwargs: dict, image_token_id: int, video_token_id: int, pad_token_id: int | None
+    ):
+        self.image_processor = image_processor
+        self.image_kwargs = image_kwargs
+        self.image_token_id = image_token_id
+        self.video_token_id = video_token_id
+        self.pad_token_id = pad_token_id if pad_token_id is not None else 0
+
+    def sample_arrays(self, row: dict) -> dict[str, np.ndarray]:
+        """Per-sample arrays: input_ids (L,), shift_labels (L,), positions (4, L), token_types (L,)."""
+        input_ids = np.asarray(row["input_ids"], dtype=np.int64)
+        labels = np.asarray(row["labels"], dtype=np.int64)
+        shift_labels = np.full_like(labels, IGNORE_INDEX)
+        shift_labels[:-1] = labels[1:]
+        text_positions = np.arange(len(input_ids), dtype=np.int64)[None]
+        positions = np.concatenate([text_positions, np.asarray(row["mrope_positions"], dtype=np.int64)], axis=0)
+        token_types = np.where(
+            input_ids == self.image_token_id, IMAGE, np.where(input_ids == self.video_token_id, VIDEO, TEXT)
+        )
+        return {
+            "input_ids": input_ids,
+            "shift_labels": shift_labels,
+            "positions": positions,
+            "token_types": token_types,
+        }
+
+    def vision_inputs(self, rows: list[dict]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """pixel_values (P, C·tp·p·p) float32 and image_grid_thw (n_images, 3) long, in sample order; or Nones."""
+        refs = [ref for row in rows for ref in row["images"]]
+        if not refs:
+            return None, None
+        stored = torch.tensor([grid for row in rows for grid in row["image_grid_thw"]], dtype=torch.long)
+        out = self.image_processor(images=[load_image(ref) for ref in refs], return_tensors="pt", **self.image_kwargs)
+        if not torch.equal(out["image_grid_thw"].long(), stored):
+            raise RuntimeError(
+                "image grids differ from the processed dataset's: the image processor or data.min/max_pixels changed "
+                "since preprocessing; delete the data cache (data.cache_dir) to reprocess."
+            )
+        return out["pixel_values"].float(), stored
+
+    @staticmethod
+    def counts(input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict]) -> dict:
+        num_image_tokens = int((token_types == IMAGE).sum())
+        return {
+            "num_label_tokens": int((shift_labels != IGNORE_INDEX).sum()),
+            "num_text_tokens": int((token_types == TEXT).sum()),
+            "num_image_tokens": num_image_tokens,
+            "num_vision_patches": sum(int(row["num_patches"]) for row in rows),
+            "sample_lengths": [int(row["length"]) for row in rows],
+        }
+
+    def packed(self, rows: list[dict]) -> dict:
+        """One pack: input_ids (1, T) long, position_ids (4, 1, T) long, shift_labels (1, T) long,
+        mm_token_type_ids (1, T) int32, cu_seqlens (n+1,) int32, max_seqlen int, seq_idx (1, T) int32,
+        pixel_values / image_grid_thw, and the Python-int counts."""
+        parts = [self.sample_arrays(row) for row in rows]
+        lengths = [len(p["input_ids"]) for p in parts]
+        input_ids = np.concatenate([p["input_ids"] for p in parts])
+        shift_labels = np.concatenate([p["shift_labels"] for p in parts])
+        token_types = np.concatenate([p["token_types"] for p in parts])
+        positions = np.concatenate([p["positions"] for p in parts], axis=1)
+        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=cu_seqlens[1:])
+        seq_idx = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
+        pixel_values, image_grid_thw = self.vision_inputs(rows)
+        return {
+            "input_ids": torch.from_numpy(input_ids)[None],
+            "position_ids": torch.from_numpy(positions)[:, None],
+            "shift_labels": torch.from_numpy(shift_labels)[None],
+            "mm_token_type_ids": torch.from_numpy(token_types.astype(np.int32))[None],
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+            "cu_seqlens": torch.from_numpy(cu_seqlens),
+            "max_seqlen": max(lengths),
+            "seq_idx": torch.from_numpy(seq_idx)[None],
+            **self.counts(input_ids, shift_labels, token_types, rows),
+        }
+
+    def padded(self, rows: list[dict]) -> dict:
+        """B samples right-padded to S = the longest: input_ids (B, S) long, attention_mask (B, S) long,
+        position_ids (4, B, S) long (0 on padding), shift_labels (B, S) long (-100 on padding),
+        mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, and the Python-int counts."""
+        parts = [self.sample_arrays(row) for row in rows]
+        batch, width = len(parts), max(len(p["input_ids"]) for p in parts)
+        input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
+        attention_mask = np.zeros((batch, width), dtype=np.int64)
+        shift_labels = np.full((batch, width), IGNORE_INDEX, dtype=np.int64)
+        token_types = np.zeros((batch, width), dtype=np.int32)
+        positions = np.zeros((4, batch, width), dtype=np.int64)
+        for b, part in enumerate(parts):
+            n = len(part["input_ids"])
+            input_ids[b, :n] = part["input_ids"]
+            attention_mask[b, :n] = 1
+            shift_labels[b, :n] = part["shift_labels"]
+            token_types[b, :n] = part["token_types"]
+            positions[:, b, :n] = part["positions"]
+        pixel_values, image_grid_thw = self.vision_inputs(rows)
+        real = attention_mask.astype(bool)
+        return {
+            "input_ids": torch.from_numpy(input_ids),
+            "attention_mask": torch.from_numpy(attention_mask),
+            "position_ids": torch.from_numpy(positions),
+            "shift_labels": torch.from_numpy(shift_labels),
+            "mm_token_type_ids": torch.from_numpy(token_types),
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+            **self.counts(input_ids[real], shift_labels[real], token_types[real], rows),
+        }

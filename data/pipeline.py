@@ -1,0 +1,328 @@
+"""The data pipeline's entry points for the trainer: `load_processor(cfg)` and `build_data(cfg, …)`.
+
+records (data/sources.py) → per-sample processing, parallel and cached (data/processing.py) → skip accounting →
+per-epoch plan: shuffled order, best-fit-decreasing packs, rank-balanced steps (data/packing.py) → collate
+(data/collate.py). The loaders iterate steps; each yields this rank's batch of the step and can save/restore its
+position (`state_dict` / `load_state_dict`), so a resumed run sees exactly the batches it had not seen yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from datasets import Dataset
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
+from transformers.utils import cached_file
+
+from data.collate import Collator
+from data.formats import SKIP_REASONS
+from data.packing import Pack, PackItem, deal_steps, pack_stream
+from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
+from data.sources import open_records
+from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
+from training.modeling import hf_config
+
+logger = logging.getLogger(__name__)
+PROCESSING_VERSION = 1  # bump when processing output changes, to invalidate cached datasets
+DEFAULT_CACHE_ROOT = ".cache"
+SKIP_EXAMPLES_LOGGED = 3
+ROW_INDEX_COLUMN = "__row_index__"
+
+
+def cache_root(cfg) -> str:
+    return cfg.data.cache_dir or DEFAULT_CACHE_ROOT
+
+
+def load_processor(cfg):
+    """The recipe's processor: `model.processor` or `model.name_or_path` via AutoProcessor, else the tiny one.
+
+    Without torchvision, transformers cannot build a Qwen-VL video processor, so AutoProcessor fails for real
+    checkpoints; then the family's image-only processor is assembled from the checkpoint's tokenizer, image
+    processor and chat template (the pipeline never uses videos).
+    """
+    source = cfg.model.processor or cfg.model.name_or_path
+    if source is None:
+        return load_or_build_tiny_processor(cache_root(cfg), hf_config(cfg.model))
+    try:
+        return AutoProcessor.from_pretrained(source)
+    except (ImportError, OSError, ValueError, AttributeError, TypeError) as error:
+        model_type = hf_config(cfg.model).model_type
+        logger.warning("AutoProcessor(%s) failed (%s); using the image-only %s processor.", source, error, model_type)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        image_processor = AutoImageProcessor.from_pretrained(source)
+        template_file = cached_file(source, "chat_template.jinja", _raise_exceptions_for_missing_entries=False)
+        chat_template = Path(template_file).read_text() if template_file else tokenizer.chat_template
+        if chat_template is None:
+            raise ValueError(f"{source} has no chat template (chat_template.jinja or the tokenizer's).") from error
+        return PROCESSOR_FOR_MODEL_TYPE[model_type](
+            image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
+        )
+
+
+@dataclass
+class DataStats:
+    """What happened to the records: kept per split, skipped per reason (streaming: updated while iterating)."""
+
+    records: int = 0
+    kept_train: int = 0
+    kept_eval: int = 0
+    skipped: Counter = field(default_factory=Counter)
+    skip_examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def skip(self, reason: str, sample_id: str, detail: str) -> None:
+        self.skipped[reason] += 1
+        examples = self.skip_examples.setdefault(reason, [])
+        if len(examples) < SKIP_EXAMPLES_LOGGED:
+            examples.append(f"{sample_id}: {detail}")
+            logger.warning("skipping sample %s (%s): %s", sample_id, reason, detail)
+
+    def summary(self) -> str:
+        reasons = ", ".join(f"{r}={self.skipped[r]}" for r in SKIP_REASONS if self.skipped[r]) or "none"
+        return (
+            f"records={self.records} kept_train={self.kept_train} kept_eval={self.kept_eval} "
+            f"skipped={sum(self.skipped.values())} ({reasons})"
+        )
+
+
+def processing_fingerprint(cfg, processor, model_config: PretrainedConfig, source_fingerprint: str) -> str:
+    """Cache key of the processed dataset: data settings, processor, model config, source data, code version."""
+    tokenizer = processor.tokenizer
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    parts = {
+        "version": PROCESSING_VERSION,
+        "source": source_fingerprint,
+        "data": [cfg.data.path, cfg.data.image_root, cfg.data.format, cfg.data.min_pixels, cfg.data.max_pixels],
+        "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
+        "chat_template": processor.chat_template,
+        "image_processor": processor.image_processor.to_json_string(),
+        "model": model_config.to_json_string(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def is_eval_row(index: int, eval_fraction: float) -> bool:
+    """Every round(1/eval_fraction)-th record is held out: stable, and the same when streaming."""
+    return eval_fraction > 0 and index % max(1, round(1 / eval_fraction)) == 0
+
+
+class StepLoader:
+    """Iterates one rank's batches, step by step, epoch after epoch (`epochs=None`) or for a fixed count.
+
+    `items(epoch)` yields the epoch's PackItems in order; `fetch(keys)` turns PackItem keys into processed rows;
+    `collate(rows)` makes the batch. Every rank computes the same plan and takes its own pack of each step.
+    """
+
+    def __init__(
+        self,
+        items: Callable[[int], Iterator[PackItem]],
+        fetch: Callable[[list], list[dict]],
+        collate: Callable[[list[dict]], dict],
+        packing_cfg,
+        rank: int,
+        world_size: int,
+        seed: int,
+        epochs: int | None,
+        num_workers: int = 0,
+    ):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}.")
+        self.items, self.fetch, self.collate = items, fetch, collate
+        self.packing = packing_cfg
+        self.rank, self.world_size, self.seed, self.epochs = rank, world_size, seed, epochs
+        self.num_workers = num_workers
+        self.epoch, self.step_in_epoch = 0, 0
+
+    def packs(self, epoch: int) -> Iterator[Pack]:
+        """The epoch's packs (packed mode: best-fit-decreasing; padded mode: consecutive samples)."""
+        if self.packing.mode == "packed":
+            return pack_stream(self.items(epoch), self.packing.max_tokens, self.packing.buffer_size)
+        return self._padded_batches(epoch)
+
+    def _padded_batches(self, epoch: int) -> Iterator[Pack]:
+        batch = Pack()
+        for item in self.items(epoch):
+            batch.add(item)
+            if len(batch.items) == self.packing.padded_batch_size:
+                yield batch
+                batch = Pack()
+        if batch.items:
+            yield batch
+
+    def steps(self, epoch: int) -> Iterator[list[Pack]]:
+        """The epoch's steps: lists of world_size packs, index = rank."""
+        window = self.packing.balance_window_steps
+        weight = self.packing.vision_cost_weight
+        return deal_steps(self.packs(epoch), self.world_size, window, weight, seed=self.seed + epoch)
+
+    def __iter__(self) -> Iterator[dict]:
+        if self.epochs is not None and self.epoch >= self.epochs:  # a finished finite loader starts a new pass
+            self.epoch, self.step_in_epoch = 0, 0
+        while self.epochs is None or self.epoch < self.epochs:
+            remaining = _EpochBatches(self, self.epoch, first_step=self.step_in_epoch)
+            if self.num_workers > 0:
+                remaining = DataLoader(remaining, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+            yielded = self.step_in_epoch
+            for batch in remaining:
+                self.step_in_epoch += 1
+                yield batch
+            if self.epochs is None and yielded == self.step_in_epoch == 0:
+                raise ValueError(
+                    f"an epoch has no batch for rank {self.rank} of {self.world_size}: too few kept samples "
+                    "(see the data stats), or fewer packs than ranks; add data or lower packing.max_tokens."
+                )
+            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def state_dict(self) -> dict:
+        """Position in the data: the epoch and how many of its steps were consumed."""
+        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
+
+
+class _EpochBatches(IterableDataset):
+    """This rank's batches of one epoch from `first_step` on. With DataLoader workers, worker w collates steps
+    first_step + w, + w + n, …; the DataLoader reads workers round-robin, so batches arrive in step order."""
+
+    def __init__(self, loader: StepLoader, epoch: int, first_step: int):
+        self.loader, self.epoch, self.first_step = loader, epoch, first_step
+
+    def __iter__(self) -> Iterator[dict]:
+        worker = get_worker_info()
+        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        for index, step in enumerate(self.loader.steps(self.epoch)):
+            if index < self.first_step or (index - self.first_step) % num_workers != worker_id:
+                continue
+            rows = self.loader.fetch([item.key for item in step[self.loader.rank].items])
+            yield self.loader.collate(rows)
+
+
+def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool) -> PackItem | None:
+    if row["skip_reason"]:
+        stats.skip(row["skip_reason"], row["sample_id"], row["skip_detail"])
+        return None
+    if row["length"] > max_tokens:
+        detail = f"{row['length']} tokens > packing.max_tokens {max_tokens}"
+        if raise_errors:
+            raise ValueError(f"sample {row['sample_id']}: too_long: {detail} (data.on_error=skip skips it)")
+        stats.skip("too_long", row["sample_id"], detail)
+        return None
+    return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))
+
+
+def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerprint: str, stats: DataStats):
+    processed = records.map(
+        sample_processor,
+        with_indices=True,
+        remove_columns=records.column_names,
+        features=PROCESSED_FEATURES,
+        num_proc=cfg.data.num_proc if cfg.data.num_proc > 1 else None,
+        new_fingerprint=fingerprint,
+        desc="processing samples",
+    )
+    stats.records = len(processed)
+    meta = processed.select_columns(["sample_id", "skip_reason", "skip_detail", "length", "num_patches"])
+    splits: dict[bool, list[int]] = {False: [], True: []}
+    raise_errors = cfg.data.on_error == "raise"
+    for index, row in enumerate(meta):
+        if _kept_item(row, cfg.packing.max_tokens, stats, raise_errors) is not None:
+            splits[is_eval_row(index, cfg.data.eval_fraction)].append(index)
+    stats.kept_train, stats.kept_eval = len(splits[False]), len(splits[True])
+    lengths = np.asarray(meta["length"], dtype=np.int64)
+    patches = np.asarray(meta["num_patches"], dtype=np.int64)
+
+    def items_of(indices: list[int], shuffle: bool) -> Callable[[int], Iterator[PackItem]]:
+        def items(epoch: int) -> Iterator[PackItem]:
+            order = np.asarray(indices, dtype=np.int64)
+            if shuffle:
+                order = np.random.default_rng([cfg.data.seed, epoch]).permutation(order)
+            for i in order.tolist():
+                yield PackItem(key=i, length=int(lengths[i]), num_patches=int(patches[i]))
+
+        return items
+
+    def fetch(keys: list[int]) -> list[dict]:
+        return [processed[int(k)] for k in keys]
+
+    return items_of(splits[False], shuffle=True), items_of(splits[True], shuffle=False), fetch
+
+
+def _streaming(cfg, records, sample_processor: SampleProcessor, stats: DataStats):
+    """Items that carry their processed rows. The first training pass over the data fills `stats`."""
+    raise_errors = cfg.data.on_error == "raise"
+    indexed = records.map(lambda record, index: {ROW_INDEX_COLUMN: index}, with_indices=True)
+    counted_epochs: set[int] = set()
+
+    def items_of(want_eval: bool, shuffle: bool) -> Callable[[int], Iterator[PackItem]]:
+        def items(epoch: int) -> Iterator[PackItem]:
+            count = shuffle and not counted_epochs
+            stream = indexed
+            if shuffle:  # through a buffer: rows differ by epoch, the split does not (it uses the original index)
+                stream = indexed.shuffle(seed=cfg.data.seed, buffer_size=cfg.packing.buffer_size)
+                stream.set_epoch(epoch)
+            for record in stream:
+                index = record.pop(ROW_INDEX_COLUMN)
+                row = sample_processor(record, index)
+                held_out = is_eval_row(index, cfg.data.eval_fraction)
+                item = _kept_item(row, cfg.packing.max_tokens, stats if count else DataStats(), raise_errors)
+                if count:
+                    stats.records += 1
+                    stats.kept_eval += item is not None and held_out
+                    stats.kept_train += item is not None and not held_out
+                if item is not None and held_out == want_eval:
+                    yield item
+            if count:
+                counted_epochs.add(epoch)
+
+        return items
+
+    return items_of(False, shuffle=True), items_of(True, shuffle=False), lambda keys: list(keys)
+
+
+def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, world_size: int = 1):
+    """(train_loader, eval_loader, stats) for the recipe `cfg` (training.config tree).
+
+    train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
+    padded, docs/architecture.md), with state_dict()/load_state_dict(). eval_loader: one unshuffled pass over the
+    held-out samples. stats: DataStats (records, kept per split, skipped per reason).
+    """
+    records, image_root = open_records(cfg.data, cache_root(cfg))
+    sample_processor = SampleProcessor(
+        processor,
+        model_config,
+        data_format=cfg.data.format,
+        image_root=image_root,
+        min_pixels=cfg.data.min_pixels,
+        max_pixels=cfg.data.max_pixels,
+        raise_errors=cfg.data.on_error == "raise",
+    )
+    stats = DataStats()
+    if cfg.data.streaming:
+        train_items, eval_items, fetch = _streaming(cfg, records, sample_processor, stats)
+    else:
+        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint)
+        train_items, eval_items, fetch = _in_memory(cfg, records, sample_processor, fingerprint, stats)
+        logger.log(logging.WARNING if stats.skipped else logging.INFO, "data: %s", stats.summary())
+    collator = Collator(
+        processor.image_processor,
+        image_size_kwargs(processor.image_processor, cfg.data.min_pixels, cfg.data.max_pixels),
+        image_token_id=model_config.image_token_id,
+        video_token_id=model_config.video_token_id,
+        pad_token_id=processor.tokenizer.pad_token_id,
+    )
+    collate = collator.packed if cfg.packing.mode == "packed" else collator.padded
+    common = {"fetch": fetch, "collate": collate, "packing_cfg": cfg.packing, "rank": rank, "world_size": world_size}
+    # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
+    num_workers = 0 if cfg.data.streaming else cfg.data.num_workers
+    common["num_workers"] = num_workers
+    train_loader = StepLoader(train_items, seed=cfg.data.seed, epochs=None, **common)
+    eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, **common)
+    return train_loader, eval_loader, stats

@@ -1,0 +1,43 @@
+"""Per-sample mRoPE position ids from the model's own `get_rope_index`, without building the model or its weights.
+
+`get_rope_index` (and the `get_vision_position_ids` it calls) read nothing from the model but `self.config`, so an
+instance of the family's inner model class with only `nn.Module` state and the config runs the real method.
+tests/test_data_positions.py checks the result equals a real tiny model's `model.model.get_rope_index`.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+
+import torch
+from transformers import PretrainedConfig
+
+from training.modeling import model_class
+
+RopeIndexFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]
+
+
+def inner_model_class(model_config: PretrainedConfig) -> type:
+    """The family's base model class that owns `get_rope_index` (e.g. Qwen2_5_VLModel)."""
+    outer = model_class(model_config)
+    module = sys.modules[outer.__module__]
+    inner = getattr(module, outer.__name__.replace("ForConditionalGeneration", "Model"), None)
+    if inner is None or not hasattr(inner, "get_rope_index"):
+        raise TypeError(f"{outer.__name__}: no base model class with get_rope_index in {module.__name__}.")
+    return inner
+
+
+def rope_index_fn(model_config: PretrainedConfig) -> RopeIndexFn:
+    """A function `(input_ids (1, L) long, mm_token_type_ids (1, L) int, image_grid_thw (n, 3) long | None)
+    -> (3, L) long` running the family's `get_rope_index` on one sample."""
+    cls = inner_model_class(model_config)
+    stand_in = cls.__new__(cls)
+    torch.nn.Module.__init__(stand_in)
+    stand_in.config = model_config
+
+    def positions(input_ids: torch.Tensor, mm_token_type_ids: torch.Tensor, image_grid_thw: torch.Tensor | None):
+        position_ids, _ = stand_in.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=image_grid_thw)
+        return position_ids[:, 0]
+
+    return positions

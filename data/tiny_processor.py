@@ -1,0 +1,162 @@
+"""The offline tiny processor: a BPE tokenizer trained here, the Qwen chat template, the family's image processor.
+
+Why image-only processor classes: every Qwen-VL processor class takes a video processor, and transformers' video
+processors need torchvision, which has no build matching our torch. `Qwen2VLImageOnlyProcessor` (and the 2.5 / 3
+variants) subclass the family's processor and drop the `video_processor` attribute from `__init__`, which is how
+`ProcessorMixin` discovers its parts; everything image- and text-related is the family's own code. They are
+registered with `AutoProcessor`, so `AutoProcessor.from_pretrained(dir)` loads a saved tiny processor (after
+`import data.tiny_processor`, which `data.pipeline` does). The pipeline uses images only, never videos.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import (
+    AutoProcessor,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLProcessor,
+    Qwen2VLConfig,
+    Qwen2VLImageProcessorPil,
+    Qwen2VLProcessor,
+    Qwen3VLConfig,
+    Qwen3VLProcessor,
+)
+
+from data.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
+from data.synthetic import corpus_texts
+
+# Qwen2's pre-tokenizer split (digits one at a time, words with a leading space), then byte-level BPE.
+QWEN_SPLIT_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# The Qwen2-VL chat template (system default, images as <|vision_start|><|image_pad|><|vision_end|>).
+QWEN_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+TINY_MIN_TOKENS, TINY_MAX_TOKENS = 16, 256  # LLM tokens per image after the 2x2 merge
+
+
+class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
+    """Qwen2VLProcessor without a video processor (no torchvision needed)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
+    """Qwen2_5_VLProcessor without a video processor (no torchvision needed)."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
+    """Qwen3VLProcessor (used by Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) without a video processor."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+PROCESSOR_FOR_MODEL_TYPE = {
+    "qwen2_vl": Qwen2VLImageOnlyProcessor,
+    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
+    "qwen3_vl": Qwen3VLImageOnlyProcessor,
+    "qwen3_vl_moe": Qwen3VLImageOnlyProcessor,
+    "qwen3_5": Qwen3VLImageOnlyProcessor,
+    "qwen3_5_moe": Qwen3VLImageOnlyProcessor,
+}
+for _config_class, _processor_class in (
+    (Qwen2VLConfig, Qwen2VLImageOnlyProcessor),
+    (Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor),
+    (Qwen3VLConfig, Qwen3VLImageOnlyProcessor),
+):
+    AutoProcessor.register(_config_class, _processor_class, exist_ok=True)
+
+
+def train_tiny_tokenizer(texts: list[str], vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts`, with SPECIAL_TOKENS at ids 0..6 in order; at most `vocab_size` ids."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN_SPLIT_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts, trainer)
+    for token_id, token in enumerate(SPECIAL_TOKENS):
+        if tokenizer.token_to_id(token) != token_id:
+            raise RuntimeError(f"tokenizers gave {token} id {tokenizer.token_to_id(token)}, expected {token_id}.")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        extra_special_tokens=list(SPECIAL_TOKENS[1:]),
+        model_max_length=1 << 20,
+    )
+
+
+def vision_geometry(model_config: PretrainedConfig) -> tuple[int, int, int]:
+    """(patch_size, spatial_merge_size, temporal_patch_size) of the model's vision tower."""
+    vision = model_config.vision_config
+    return vision.patch_size, vision.spatial_merge_size, vision.temporal_patch_size
+
+
+def build_tiny_processor(model_config: PretrainedConfig):
+    """A fresh tiny processor for `model_config`'s family and vision geometry (trains the tokenizer: ~1 s)."""
+    processor_class = PROCESSOR_FOR_MODEL_TYPE.get(model_config.model_type)
+    if processor_class is None:
+        raise ValueError(f"no tiny processor for model_type {model_config.model_type!r}.")
+    patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
+    pixels_per_token = (patch_size * merge_size) ** 2
+    image_processor = Qwen2VLImageProcessorPil(
+        patch_size=patch_size,
+        merge_size=merge_size,
+        temporal_patch_size=temporal_patch_size,
+        min_pixels=TINY_MIN_TOKENS * pixels_per_token,
+        max_pixels=TINY_MAX_TOKENS * pixels_per_token,
+    )
+    tokenizer = train_tiny_tokenizer(corpus_texts())
+    return processor_class(image_processor=image_processor, tokenizer=tokenizer, chat_template=QWEN_CHAT_TEMPLATE)
+
+
+def tiny_processor_dir(cache_root: str | os.PathLike, model_config: PretrainedConfig) -> Path:
+    """Where the tiny processor for this family and vision geometry is cached."""
+    patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
+    name = PROCESSOR_FOR_MODEL_TYPE[model_config.model_type].__name__
+    return Path(cache_root) / f"tiny-processor-{name}-p{patch_size}m{merge_size}t{temporal_patch_size}"
+
+
+def load_or_build_tiny_processor(cache_root: str | os.PathLike, model_config: PretrainedConfig):
+    """The cached tiny processor, built and saved first if missing; loaded back through AutoProcessor."""
+    directory = tiny_processor_dir(cache_root, model_config)
+    if not (directory / "processor_config.json").exists():
+        staging = directory.with_name(directory.name + f".tmp-{os.getpid()}")
+        build_tiny_processor(model_config).save_pretrained(staging)
+        with contextlib.suppress(OSError):  # another process saved it first; same content
+            staging.rename(directory)
+    return AutoProcessor.from_pretrained(directory)

@@ -1,0 +1,425 @@
+"""Put the fused rotary kernels into transformers' Qwen-VL models, exactly and reversibly.
+
+transformers computes rotary embeddings in two steps: a rotary module builds (cos, sin) tables once per forward,
+every attention layer unpacks `cos, sin = position_embeddings` and calls the module-global `apply_rotary_pos_emb`
+(text) or `apply_rotary_pos_emb_vision` (vision). The patch keeps that call structure and changes what flows
+through it:
+
+- each rotary module instance gets a `forward` that returns `(positions, args)` instead of `(cos, sin)`: the
+  integer positions and a small frozen record with what the kernel needs (inv_freq, mrope sections, layout,
+  attention_scaling). Nothing is materialized; the record carries the config, so two differently-configured
+  models of one family can be patched at once.
+- the family's module-global apply functions are replaced by dispatchers that call `apply_mrope` /
+  `apply_vision_rope` when handed such a record, and the original function otherwise (an unpatched model of the
+  same family keeps working). The originals come back when the last patched model of the family is unpatched.
+- Qwen2.5-VL's vision tower reorders the rotary tables into window order with `permute_input_for_window_attn`;
+  its instance gets a version that reorders the positions and passes the record through.
+
+The patch refuses (PatchError) anything it cannot reproduce exactly, validates everything before changing
+anything, and records what it replaced on the model so `unpatch_model` restores the original objects.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import inspect
+import logging
+import types
+from typing import Literal
+
+import torch
+import transformers
+
+from mrope_kernels import ops
+
+logger = logging.getLogger(__name__)
+
+# transformers versions whose six Qwen-VL modeling files this patch was read against and tested with.
+TESTED_TRANSFORMERS_VERSIONS = ("5.17.0", "5.23.0")
+
+TEXT_APPLY = "apply_rotary_pos_emb"
+VISION_APPLY = "apply_rotary_pos_emb_vision"
+WINDOW_PERMUTE = "permute_input_for_window_attn"
+_STATE_ATTR = "_fused_rope_patch"
+
+
+class PatchError(ValueError):
+    """The model cannot be patched (or unpatched) exactly; the message says why and what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class MRopeArgs:
+    """What text attention needs to rotate q/k with `apply_mrope`; travels in the `sin` slot of HF's
+    `position_embeddings`, next to the integer positions (3, B, S) in the `cos` slot.
+
+    inv_freq: fp32 (R/2,) on the activations' device; mrope_section: three ints summing to R/2.
+    """
+
+    inv_freq: torch.Tensor
+    mrope_section: tuple[int, int, int]
+    interleaved: bool
+    attention_scaling: float
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionRopeArgs:
+    """What vision attention needs for `apply_vision_rope`; travels in the `sin` slot next to the integer
+    [row, col] positions (N, 2). inv_freq: fp32 (head_dim/4,)."""
+
+    inv_freq: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    name: str
+    text_rotary: str
+    vision_rotary: str
+    interleaved: bool  # mRoPE lane layout: Qwen3-VL / Qwen3.5 interleave t/h/w lanes, Qwen2/2.5-VL chunk them
+    window_vision_model: str | None = None  # vision tower that reorders rotary tables into attention windows
+
+    @property
+    def modeling_module(self) -> str:
+        return f"transformers.models.{self.name}.modeling_{self.name}"
+
+
+FAMILIES = {
+    f.name: f
+    for f in (
+        _Family("qwen2_vl", "Qwen2VLRotaryEmbedding", "Qwen2VLVisionRotaryEmbedding", interleaved=False),
+        _Family(
+            "qwen2_5_vl",
+            "Qwen2_5_VLRotaryEmbedding",
+            "Qwen2_5_VLVisionRotaryEmbedding",
+            interleaved=False,
+            window_vision_model="Qwen2_5_VisionTransformerPretrainedModel",
+        ),
+        _Family("qwen3_vl", "Qwen3VLTextRotaryEmbedding", "Qwen3VLVisionRotaryEmbedding", interleaved=True),
+        _Family("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding", "Qwen3VLMoeVisionRotaryEmbedding", interleaved=True),
+        _Family("qwen3_5", "Qwen3_5TextRotaryEmbedding", "Qwen3_5VisionRotaryEmbedding", interleaved=True),
+        _Family("qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding", "Qwen3_5MoeVisionRotaryEmbedding", interleaved=True),
+    )
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplacedModule:
+    """One module instance whose method the patch overrides. path: name in `model.named_modules()`."""
+
+    path: str
+    cls: str
+    method: str
+    flavour: str  # e.g. "text mRoPE interleaved [24, 20, 20], R=128 of D=128" or "vision 2-D rope, D=80"
+
+
+@dataclasses.dataclass(frozen=True)
+class PatchReport:
+    """What `patch_model` replaced: module instances, module-global functions, and the attention classes that
+    now reach the kernels through those functions."""
+
+    family: str
+    transformers_version: str
+    modules: tuple[ReplacedModule, ...]
+    functions: tuple[str, ...]
+    attention_classes: tuple[str, ...]
+
+    def __str__(self) -> str:
+        lines = [f"fused rope patch: {self.family} (transformers {self.transformers_version})"]
+        lines += [f"  {m.path or '<root>'} ({m.cls}.{m.method}): {m.flavour}" for m in self.modules]
+        lines += [f"  function {name}" for name in self.functions]
+        lines.append(f"  attention classes: {', '.join(self.attention_classes)}")
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass
+class _PatchState:
+    """Kept on the patched model (attribute `_fused_rope_patch`) so unpatching needs nothing else."""
+
+    report: PatchReport
+    overrides: list[tuple[torch.nn.Module, str]]
+
+    def __deepcopy__(self, memo: dict) -> _PatchState:
+        """A deep copy of a patched model is patched too (its modules carry the copied overrides): count it, so
+        the family's functions stay replaced until both are unpatched."""
+        _GLOBAL_PATCHES[FAMILIES[self.report.family].modeling_module].patched_models += 1
+        return _PatchState(self.report, copy.deepcopy(self.overrides, memo))
+
+
+@dataclasses.dataclass
+class _GlobalPatch:
+    originals: dict[str, object]
+    patched_models: int
+
+
+# modeling module name -> originals of its apply functions, while at least one model of the family is patched.
+_GLOBAL_PATCHES: dict[str, _GlobalPatch] = {}
+
+
+def patch_model(model: torch.nn.Module) -> PatchReport:
+    """Route every rotary embedding of a transformers Qwen-VL model through the fused kernels.
+
+    model: a ForConditionalGeneration, Model (VL) or text-only model (TextModel, ForCausalLM) of qwen2_vl,
+    qwen2_5_vl, qwen3_vl, qwen3_vl_moe, qwen3_5 or qwen3_5_moe, any dtype and device. Raises PatchError (and
+    changes nothing) when the model is not one of these, is already patched, or uses a rotary config the kernels
+    do not reproduce exactly (rope_type other than default/axial, attention_scaling != 1, an untested
+    transformers version). Returns what was replaced.
+    """
+    if transformers.__version__ not in TESTED_TRANSFORMERS_VERSIONS:
+        raise PatchError(
+            f"transformers {transformers.__version__} is untested with the fused rope patch (tested: "
+            f"{', '.join(TESTED_TRANSFORMERS_VERSIONS)}); pin one of those or use the unfused rope."
+        )
+    if _STATE_ATTR in model.__dict__:
+        raise PatchError(f"{type(model).__name__} is already patched; call unpatch_model first.")
+
+    family, rotaries = _find_rotary_modules(model)
+    modeling = importlib.import_module(family.modeling_module)
+    overrides, replaced, function_names = _plan_overrides(model, family, rotaries)
+    attention_classes = _attention_classes_calling(model, family, function_names)
+
+    for module, attr, method in overrides:
+        setattr(module, attr, method)
+    _acquire_globals(modeling, function_names)
+    report = PatchReport(
+        family=family.name,
+        transformers_version=transformers.__version__,
+        modules=tuple(replaced),
+        functions=tuple(f"{family.modeling_module}.{name}" for name in function_names),
+        attention_classes=attention_classes,
+    )
+    model.__dict__[_STATE_ATTR] = _PatchState(report, [(module, attr) for module, attr, _ in overrides])
+    return report
+
+
+def unpatch_model(model: torch.nn.Module) -> None:
+    """Undo `patch_model(model)`: the original methods and module-global functions are back, so outputs are
+    bit-identical to a never-patched model. Raises PatchError if `model` itself was not patched."""
+    state = model.__dict__.get(_STATE_ATTR)
+    if state is None:
+        patched_inside = [name for name, m in model.named_modules() if _STATE_ATTR in m.__dict__]
+        where = f"; its submodule {patched_inside[0]!r} is: unpatch that" if patched_inside else ""
+        raise PatchError(f"{type(model).__name__} is not patched{where}.")
+    for module, attr in state.overrides:
+        del module.__dict__[attr]
+    _release_globals(FAMILIES[state.report.family].modeling_module)
+    del model.__dict__[_STATE_ATTR]
+
+
+def apply_rope_choice(model: torch.nn.Module, choice: Literal["fused", "unfused", "auto"]) -> PatchReport | None:
+    """The `kernels.rope` recipe choice: "fused" patches or raises PatchError; "unfused" leaves transformers'
+    rotary in place; "auto" patches when possible and otherwise logs a warning with the reason. Returns the
+    report, or None when the model runs transformers' own rotary."""
+    if choice == "unfused":
+        return None
+    if choice == "fused":
+        return patch_model(model)
+    if choice == "auto":
+        try:
+            return patch_model(model)
+        except PatchError as err:
+            logger.warning("fused rope unavailable, using transformers' rotary instead: %s", err)
+            return None
+    raise ValueError(f"rope choice must be 'fused', 'unfused' or 'auto', got {choice!r}.")
+
+
+def _plan_overrides(
+    model: torch.nn.Module, family: _Family, rotaries: list[tuple[str, torch.nn.Module]]
+) -> tuple[list[tuple[torch.nn.Module, str, types.MethodType]], list[ReplacedModule], list[str]]:
+    """Validate every rotary module and build (without applying) the instance overrides, their report entries and
+    the module-global functions they need; PatchError on the first thing that cannot be reproduced exactly."""
+    overrides, replaced, function_names = [], [], set()
+    for path, module in rotaries:
+        if "forward" in module.__dict__:
+            raise PatchError(
+                f"{path} ({type(module).__name__}) already has an instance-level forward (patched, or wrapped by "
+                "a hook); patch the model before adding hooks, or unpatch it first."
+            )
+        if type(module).__name__ == family.text_rotary:
+            forward, flavour = _text_rotary_forward(path, module, family)
+            function_names.add(TEXT_APPLY)
+        else:
+            forward, flavour = _vision_rotary_forward(path, module)
+            function_names.add(VISION_APPLY)
+        overrides.append((module, "forward", forward))
+        replaced.append(ReplacedModule(path, type(module).__name__, "forward", flavour))
+    for path, module in model.named_modules():
+        if type(module).__name__ != family.window_vision_model:
+            continue
+        if not callable(getattr(module, WINDOW_PERMUTE, None)) or WINDOW_PERMUTE in module.__dict__:
+            raise PatchError(f"{path} ({type(module).__name__}) has no class method {WINDOW_PERMUTE} to extend.")
+        overrides.append((module, WINDOW_PERMUTE, types.MethodType(_permute_passing_rope_args, module)))
+        replaced.append(ReplacedModule(path, type(module).__name__, WINDOW_PERMUTE, "window reorder of positions"))
+    return overrides, replaced, sorted(function_names)
+
+
+def _find_rotary_modules(model: torch.nn.Module) -> tuple[_Family, list[tuple[str, torch.nn.Module]]]:
+    """The model's family and its text/vision rotary module instances; PatchError if none or several families."""
+    by_class = {}
+    for family in FAMILIES.values():
+        by_class[(family.modeling_module, family.text_rotary)] = family
+        by_class[(family.modeling_module, family.vision_rotary)] = family
+    found: dict[str, list[tuple[str, torch.nn.Module]]] = {}
+    for path, module in model.named_modules():
+        cls = type(module)
+        family = by_class.get((cls.__module__, cls.__name__))
+        if family is not None:
+            found.setdefault(family.name, []).append((path, module))
+        elif cls.__name__.endswith("RotaryEmbedding") and cls.__module__ in {
+            f.modeling_module for f in FAMILIES.values()
+        }:
+            raise PatchError(f"{path} is a {cls.__qualname__}, a rotary class the fused rope patch does not know.")
+    if not found:
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        raise PatchError(
+            f"{type(model).__name__} (model_type {model_type!r}) has no rotary module the fused rope patch knows; "
+            f"supported families: {', '.join(FAMILIES)}."
+        )
+    if len(found) > 1:
+        raise PatchError(f"{type(model).__name__} mixes rotary modules of several families: {sorted(found)}.")
+    name, rotaries = next(iter(found.items()))
+    return FAMILIES[name], rotaries
+
+
+def _scaling_of(path: str, module: torch.nn.Module) -> float:
+    scaling = module.attention_scaling
+    if not isinstance(scaling, (int, float)) or scaling != 1.0:
+        raise PatchError(
+            f"{path} has attention_scaling {scaling!r}; the fused rope patch reproduces only 1.0 (the default and "
+            "axial rope types). Use the unfused rope for this model."
+        )
+    return float(scaling)
+
+
+def _text_rotary_forward(path: str, module: torch.nn.Module, family: _Family) -> tuple[types.MethodType, str]:
+    """Validated replacement forward for a text rotary module, and its flavour for the report."""
+    if module.rope_type != "default":
+        raise PatchError(
+            f"{path} uses rope_type {module.rope_type!r}; the fused rope patch reproduces only 'default' exactly "
+            "(scaled variants change inv_freq per call or rescale cos/sin). Use the unfused rope for this model."
+        )
+    scaling = _scaling_of(path, module)
+    section = tuple(int(s) for s in module.mrope_section)
+    half = module.inv_freq.shape[-1]
+    if len(section) != 3 or sum(section) != half:
+        raise PatchError(
+            f"{path} has mrope_section {list(section)} for {half} frequencies; it needs three ints summing to {half}."
+        )
+    config = module.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layout = "interleaved" if family.interleaved else "chunked"
+    flavour = f"text mRoPE {layout} {list(section)}, R={2 * half} of D={head_dim}"
+    args = dict(mrope_section=section, interleaved=family.interleaved, attention_scaling=scaling)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, MRopeArgs]:
+        """x: the hidden states (device only); position_ids: int (3, B, S) or (B, S). Returns the positions
+        as (3, B, S) and the kernel arguments, in place of (cos, sin). The default rope type has nothing for
+        `dynamic_rope_update` to do, so inv_freq is read as is."""
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
+        return position_ids.expand(3, -1, -1), MRopeArgs(inv_freq=inv_freq, **args)
+
+    return types.MethodType(forward, module), flavour
+
+
+def _vision_rotary_forward(path: str, module: torch.nn.Module) -> tuple[types.MethodType, str]:
+    """Validated replacement forward for a vision rotary module, and its flavour for the report."""
+    if module.rope_type != "axial":
+        raise PatchError(f"{path} uses vision rope_type {module.rope_type!r}; the fused rope patch reproduces 'axial'.")
+    _scaling_of(path, module)
+    head_dim = 4 * module.inv_freq.shape[-1]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, VisionRopeArgs]:
+        """x: the patch embeddings (device only); position_ids: int (N, 2) [row, col]. Returns the positions
+        and the kernel arguments in place of (cos, sin)."""
+        return position_ids, VisionRopeArgs(inv_freq=self.inv_freq.to(device=x.device, dtype=torch.float32))
+
+    return types.MethodType(forward, module), f"vision 2-D rope, D={head_dim}"
+
+
+def _permute_passing_rope_args(self, input_tensor, window_index: torch.Tensor, seq_len: int):
+    """Qwen2.5-VL's window reorder for the patched tower: positions (N, 2) reorder like any per-patch tensor
+    (exactly as the cos/sin tables did); the kernel arguments are per model, not per patch, and pass through."""
+    if isinstance(input_tensor, VisionRopeArgs):
+        return input_tensor
+    return type(self).permute_input_for_window_attn(self, input_tensor, window_index, seq_len)
+
+
+def _attention_classes_calling(model: torch.nn.Module, family: _Family, function_names: list[str]) -> tuple[str, ...]:
+    """Classes in the model whose forward calls one of the apply functions by its module-global name; PatchError
+    if a patched function has no caller (transformers changed how attention applies rotary)."""
+    callers: dict[str, set[str]] = {name: set() for name in function_names}
+    for module in model.modules():
+        cls = type(module)
+        if cls.__module__ != family.modeling_module:
+            continue
+        code_names = inspect.unwrap(cls.forward).__code__.co_names
+        for name in function_names:
+            if name in code_names:
+                callers[name].add(cls.__name__)
+    for name, classes in callers.items():
+        if not classes:
+            raise PatchError(
+                f"no module of {type(model).__name__} calls {family.modeling_module}.{name}; this transformers "
+                "version applies rotary differently and the patch would do nothing."
+            )
+    return tuple(sorted(set().union(*callers.values())))
+
+
+def _acquire_globals(modeling: types.ModuleType, function_names: list[str]) -> None:
+    """Install the dispatchers in the family's modeling module (first patched model of the family only)."""
+    patch = _GLOBAL_PATCHES.get(modeling.__name__)
+    if patch is None:
+        patch = _GlobalPatch(originals={}, patched_models=0)
+        _GLOBAL_PATCHES[modeling.__name__] = patch
+    for name in function_names:
+        if name not in patch.originals:
+            original = getattr(modeling, name)
+            patch.originals[name] = original
+            make = _make_text_apply if name == TEXT_APPLY else _make_vision_apply
+            setattr(modeling, name, make(original))
+    patch.patched_models += 1
+
+
+def _release_globals(modeling_name: str) -> None:
+    """Restore the family's original apply functions once no patched model of the family is left."""
+    patch = _GLOBAL_PATCHES[modeling_name]
+    patch.patched_models -= 1
+    if patch.patched_models == 0:
+        modeling = importlib.import_module(modeling_name)
+        for name, original in patch.originals.items():
+            setattr(modeling, name, original)
+        del _GLOBAL_PATCHES[modeling_name]
+
+
+def _make_text_apply(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        """Fused stand-in for transformers' text apply. q (B, Hq, S, D), k (B, Hk, S, D) views (unsqueeze_dim 1,
+        HF's layout) or (B, S, H, D) (unsqueeze_dim 2); cos: int positions (3, B, S); sin: MRopeArgs. Returns
+        (q, k) rotated, in the input layout and dtype. Plain cos/sin tables go to the original function."""
+        if not isinstance(sin, MRopeArgs):
+            return original(q, k, cos, sin, unsqueeze_dim)
+        if unsqueeze_dim not in (1, 2):
+            raise ValueError(f"unsqueeze_dim must be 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim}.")
+        if unsqueeze_dim == 1:  # the kernel takes (B, S, H, D): swap the view, no copy
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q_out, k_out = ops.apply_mrope(
+            q, k, cos, sin.inv_freq, sin.mrope_section, sin.interleaved, sin.attention_scaling
+        )
+        if unsqueeze_dim == 1:
+            return q_out.transpose(1, 2), k_out.transpose(1, 2)
+        return q_out, k_out
+
+    apply_rotary_pos_emb.original = original
+    return apply_rotary_pos_emb
+
+
+def _make_vision_apply(original):
+    def apply_rotary_pos_emb_vision(q, k, cos, sin):
+        """Fused stand-in for transformers' vision apply. q, k (N, H, D); cos: int positions (N, 2) [row, col];
+        sin: VisionRopeArgs. Returns (q, k) rotated, dtype of the inputs (fp32 math, as transformers)."""
+        if not isinstance(sin, VisionRopeArgs):
+            return original(q, k, cos, sin)
+        return ops.apply_vision_rope(q, k, cos, sin.inv_freq)
+
+    apply_rotary_pos_emb_vision.original = original
+    return apply_rotary_pos_emb_vision

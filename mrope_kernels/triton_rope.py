@@ -1,0 +1,271 @@
+"""Fused rotary kernel (Triton) and its launcher: text mRoPE (chunked / interleaved, partial rotary) and the
+2-D vision rope, q and k in one launch, forward and backward (the backward is the forward with the angle negated).
+
+One program owns a block of tokens and every head of q and k: it reads the tokens' integer positions, computes
+cos/sin in fp32 once per (token, frequency lane) and reuses them for all heads. No cos/sin table exists anywhere.
+Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) pass through.
+
+This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+# Lane → (position axis, frequency index) layouts, selected at compile time.
+LAYOUT_CHUNKED = 0  # Qwen2/2.5-VL: lanes [0,s0) temporal, [s0,s0+s1) height, rest width; frequency index = lane
+LAYOUT_INTERLEAVED = 1  # Qwen3-VL / 3.5: lane j height if j%3==1 and j<3*s1, width if j%3==2 and j<3*s2, else temporal
+LAYOUT_VISION = 2  # ViT 2-D: lanes [0,R/4) row, [R/4,R/2) column; the frequency index restarts per axis
+
+# The interpreter runs on CPU tensors with numpy and knows nothing of libdevice; triton decides this at import time.
+RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+# Elements per (tokens × heads × half-lanes) tile. Measured on H200 at 16k tokens: one token per program with
+# all heads (1024 half-lane elements, 2 warps) sits within a few % of the copy floor; larger tiles did not help.
+_TILE_ELEMENTS = 1024
+_MAX_HEADS_PER_TILE = 16
+_MAX_ALIGN = 16  # element alignment hint cap (16 bf16 = 32 B, two 128-bit vectors)
+
+
+@triton.jit
+def _rotate_heads(
+    X,
+    OUT,
+    x_token_offset,  # (BLOCK_T,) int64 offset of each token's first element in X
+    out_token_offset,  # (BLOCK_T,) int64, same for OUT
+    token_mask,  # (BLOCK_T,)
+    n_heads,
+    stride_x_head,
+    stride_out_head,
+    cos,  # (BLOCK_T, BLOCK_HALF) fp32, attention scaling folded in
+    sin,  # (BLOCK_T, BLOCK_HALF) fp32, negated for the conjugate (backward) rotation
+    HALF: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_PASS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    COPY_PASS: tl.constexpr,
+):
+    """Rotate lanes [0, R) of every head of the token block; copy lanes [R, D) when COPY_PASS."""
+    lanes = tl.arange(0, BLOCK_HALF)
+    heads = tl.arange(0, BLOCK_H)
+    lane_mask = lanes < HALF
+    cos3 = cos[:, None, :]
+    sin3 = sin[:, None, :]
+    for head_start in range(0, n_heads, BLOCK_H):
+        head = head_start + heads
+        mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & lane_mask[None, None, :]
+        x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
+        o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
+        x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + o_off, (x1 * cos3 - x2 * sin3).to(OUT.dtype.element_ty), mask=mask)
+        tl.store(OUT + o_off + HALF, (x2 * cos3 + x1 * sin3).to(OUT.dtype.element_ty), mask=mask)
+        if COPY_PASS:
+            pass_lanes = tl.arange(0, BLOCK_PASS)
+            pass_mask = token_mask[:, None, None] & (head < n_heads)[None, :, None]
+            pass_mask = pass_mask & (pass_lanes < HEAD_DIM - ROTARY_DIM)[None, None, :]
+            px_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + pass_lanes[None, None, :]
+            po_off = (
+                out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + pass_lanes[None, None, :]
+            )
+            passthrough = tl.load(X + ROTARY_DIM + px_off, mask=pass_mask)
+            tl.store(OUT + ROTARY_DIM + po_off, passthrough, mask=pass_mask)
+
+
+@triton.jit
+def _rope_kernel(
+    Q,
+    K,
+    Q_OUT,
+    K_OUT,
+    POS,
+    INV_FREQ,
+    n_tokens,
+    seq_len,
+    n_heads_q,
+    n_heads_k,
+    # Token/head strides arrive divided by ALIGN and are multiplied back by the constexpr, so the compiler can prove
+    # every row start is ALIGN-aligned and emit 128-bit loads even when a stride is not a multiple of 16 (ViT D=72).
+    stride_q_batch,
+    stride_q_seq,
+    stride_q_head,
+    stride_k_batch,
+    stride_k_seq,
+    stride_k_head,
+    stride_qo_batch,
+    stride_qo_seq,
+    stride_qo_head,
+    stride_ko_batch,
+    stride_ko_seq,
+    stride_ko_head,
+    stride_pos_axis,
+    stride_pos_batch,
+    stride_pos_seq,
+    scaling,
+    LAYOUT: tl.constexpr,  # lane → axis mapping, fixed per model, so it folds to constants
+    SECTION_0: tl.constexpr,
+    SECTION_1: tl.constexpr,
+    SECTION_2: tl.constexpr,
+    ROTARY_DIM: tl.constexpr,  # constexpr so the x2 = x + R/2 offset is a known multiple and loads vectorize
+    HEAD_DIM: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,  # R/2 padded to a power of two (tl.arange needs one)
+    BLOCK_PASS: tl.constexpr,  # D - R padded to a power of two (pass-through lanes)
+    BLOCK_T: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    ALIGN: tl.constexpr,  # largest power of two (<= 16) dividing every token/head stride, in elements
+    CONJUGATE: tl.constexpr,  # rotate by -angle: the backward pass (the rotation is orthogonal)
+    COPY_PASS: tl.constexpr,  # out-of-place with R < D: copy pass-through lanes in the same pass
+    USE_LIBDEVICE: tl.constexpr,  # precise sin/cos (full range reduction, positions up to 1e5+); False in interpreter
+):
+    HALF: tl.constexpr = ROTARY_DIM // 2
+    pid = tl.program_id(0)
+    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    token_mask = tokens < n_tokens
+    batch = (tokens // seq_len).to(tl.int64)
+    seq = (tokens % seq_len).to(tl.int64)
+
+    # Lane → (axis, frequency index); all constexpr-driven, evaluated once per program.
+    lanes = tl.arange(0, BLOCK_HALF)
+    if LAYOUT == 0:
+        axis = (lanes >= SECTION_0).to(tl.int32) + (lanes >= SECTION_0 + SECTION_1).to(tl.int32)
+        freq_index = lanes
+    elif LAYOUT == 1:
+        is_height = ((lanes % 3) == 1) & (lanes < 3 * SECTION_1)
+        is_width = ((lanes % 3) == 2) & (lanes < 3 * SECTION_2)
+        axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
+        freq_index = lanes
+    else:
+        axis = (lanes >= HALF // 2).to(tl.int32)
+        freq_index = lanes - axis * (HALF // 2)
+    lane_mask = lanes < HALF
+    inv_freq = tl.load(INV_FREQ + freq_index, mask=lane_mask, other=0.0)
+
+    pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
+    pos_0 = tl.load(POS + pos_offset, mask=token_mask, other=0).to(tl.float32)
+    pos_1 = tl.load(POS + pos_offset + stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
+    if LAYOUT == 2:
+        position = tl.where(axis[None, :] == 1, pos_1[:, None], pos_0[:, None])
+    else:
+        pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
+        position = tl.where(
+            axis[None, :] == 1, pos_1[:, None], tl.where(axis[None, :] == 2, pos_2[:, None], pos_0[:, None])
+        )
+    angle = position * inv_freq[None, :]  # fp32 product, as transformers computes it
+    if USE_LIBDEVICE:
+        cos = libdevice.cos(angle) * scaling
+        sin = libdevice.sin(angle) * scaling
+    else:
+        cos = tl.cos(angle) * scaling
+        sin = tl.sin(angle) * scaling
+    if CONJUGATE:
+        sin = -sin
+
+    q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
+    qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
+    _rotate_heads(
+        Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
+        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HQ, COPY_PASS,
+    )  # fmt: skip
+    k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
+    ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
+    _rotate_heads(
+        K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
+        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HK, COPY_PASS,
+    )  # fmt: skip
+
+
+def _largest_pow2_dividing(values: list[int], cap: int) -> int:
+    align = cap
+    while align > 1 and any(v % align for v in values):
+        align //= 2
+    return align
+
+
+def default_launch_config(
+    n_heads_q: int, n_heads_k: int, rotary_dim: int, pass_lanes: int
+) -> tuple[int, int, int, int]:
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per half-rotation tile; 4 warps when the
+    pass-through copy (`pass_lanes` padded, 0 in place) makes the tile larger (Qwen3.5: 192 of 256 lanes)."""
+    block_half = triton.next_power_of_2(rotary_dim // 2)
+    block_hq = min(triton.next_power_of_2(n_heads_q), _MAX_HEADS_PER_TILE)
+    block_hk = min(triton.next_power_of_2(n_heads_k), _MAX_HEADS_PER_TILE)
+    block_t = max(1, _TILE_ELEMENTS // (block_hq * block_half))
+    widest_tile = block_t * block_hq * max(block_half, pass_lanes)
+    return block_t, block_hq, block_hk, 2 if widest_tile <= _TILE_ELEMENTS else 4
+
+
+def _batch_seq_head_strides(x: torch.Tensor) -> tuple[int, int, int]:
+    """(batch, seq, head) strides of a (T, H, D) or (B, S, H, D) tensor; packed T is a batch of one."""
+    strides = x.stride()
+    return (0, *strides[:2]) if len(strides) == 3 else strides[:3]
+
+
+def _position_strides(positions: torch.Tensor, layout: int) -> tuple[int, int, int]:
+    """(axis, batch, seq) strides of text (3, T) / (3, B, S) or vision (T, 2) positions."""
+    strides = positions.stride()
+    if layout == LAYOUT_VISION:
+        return strides[1], 0, strides[0]
+    return (strides[0], 0, strides[1]) if len(strides) == 2 else strides
+
+
+def rope_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    layout: int,
+    sections: tuple[int, int, int] | list[int],
+    scaling: float,
+    conjugate: bool,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Rotate q, k into q_out, k_out (which may be q, k themselves: then only lanes [0, R) are touched).
+
+    q, q_out: (T, Hq, D) or (B, S, Hq, D); k, k_out: same leading dims, Hk heads; any strides with
+    stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
+    inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D.
+    sections: the three mRoPE sections (ignored for vision). No validation here: `mrope_kernels.ops` does it.
+    block_t / num_warps override the heuristic (benchmark sweeps only).
+    """
+    *lead, n_heads_q, head_dim = q.shape
+    n_heads_k = k.shape[-2]
+    seq_len = lead[-1]
+    n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
+    if n_tokens == 0:
+        return
+    rotary_dim = 2 * inv_freq.numel() if layout != LAYOUT_VISION else 4 * inv_freq.numel()
+    in_place = q_out.data_ptr() == q.data_ptr()
+    copy_pass = (not in_place) and rotary_dim < head_dim
+    block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
+    default_block_t, block_hq, block_hk, default_warps = default_launch_config(
+        n_heads_q, n_heads_k, rotary_dim, block_pass if copy_pass else 0
+    )
+    tensor_strides = [s for t in (q, k, q_out, k_out) for s in _batch_seq_head_strides(t)]
+    align = _largest_pow2_dividing(tensor_strides, _MAX_ALIGN)
+    block_t = block_t or default_block_t
+    _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
+        q, k, q_out, k_out, positions, inv_freq,
+        n_tokens, seq_len, n_heads_q, n_heads_k,
+        *[s // align for s in tensor_strides],
+        *_position_strides(positions, layout),
+        float(scaling),
+        LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
+        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim,
+        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_PASS=block_pass,
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
+        CONJUGATE=conjugate, COPY_PASS=copy_pass,
+        USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
+        num_warps=num_warps or default_warps,
+    )  # fmt: skip

@@ -1,0 +1,96 @@
+"""Load, process and pack a recipe's data, and print what happened.
+
+    python scripts/inspect_data.py --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
+
+Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
+text vs vision tokens, and a few decoded samples with the label mask: trained (assistant) tokens in [[...]].
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import logging
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from data.pipeline import build_data, load_processor
+from data.processing import IGNORE_INDEX
+from training.config import load_config
+from training.modeling import hf_config
+
+
+def describe_sample(tokenizer, input_ids: list[int], labels: list[int], image_token_id: int) -> str:
+    """The sample's text with trained tokens in [[...]] and each image's placeholder run shown as <image×N>."""
+    pieces, run, run_trained = [], [], None
+
+    def flush():
+        if run:
+            text = tokenizer.decode(run)
+            pieces.append(f"[[{text}]]" if run_trained else text)
+
+    for (token, label), group in itertools.groupby(zip(input_ids, labels, strict=True), key=lambda p: (p[0], p[1])):
+        count = len(list(group))
+        trained = label != IGNORE_INDEX
+        if token == image_token_id:
+            flush()
+            run, run_trained = [], None
+            pieces.append(f"<image×{count}>")
+            continue
+        if trained != run_trained:
+            flush()
+            run, run_trained = [], trained
+        run += [token] * count
+    flush()
+    return "".join(pieces)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe YAML")
+    parser.add_argument("--examples", type=int, default=3, help="decoded samples to show")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    cfg = load_config(args.config, args.overrides)
+    model_config = hf_config(cfg.model)
+    processor = load_processor(cfg)
+    start = time.perf_counter()
+    train_loader, _, stats = build_data(cfg, processor, model_config)
+    built = time.perf_counter() - start
+
+    merge = model_config.vision_config.spatial_merge_size**2
+    steps = list(train_loader.steps(0))
+    packs = [pack for step in steps for pack in step]
+    tokens = sum(p.tokens for p in packs)
+    image_tokens = sum(item.num_patches // merge for p in packs for item in p.items)
+    print(f"data.path={cfg.data.path} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
+    print(f"samples: {stats.summary()}")
+    for reason, examples in stats.skip_examples.items():
+        for example in examples:
+            print(f"  skipped {reason}: {example}")
+    budget = cfg.packing.max_tokens
+    if cfg.packing.mode == "packed":
+        per_pack = tokens / max(1, len(packs))
+        print(f"packs (epoch 0): {len(packs)} of <= {budget} tokens, {per_pack:.0f} tokens per pack on average")
+        print(f"pack efficiency: {tokens / max(1, len(packs) * budget):.2%} (real tokens / (packs x budget))")
+    else:
+        padded = sum(len(p.items) * max(i.length for i in p.items) for p in packs)
+        print(f"padded batches (epoch 0): {len(packs)}; padding efficiency {tokens / max(1, padded):.2%}")
+    print(f"tokens: {tokens} = text {tokens - image_tokens} + image {image_tokens}; ViT patches {image_tokens * merge}")
+
+    batch = next(iter(train_loader))
+    rows = train_loader.fetch([item.key for item in steps[0][0].items])
+    print(f"\nfirst batch: { {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, 'shape')} }")
+    print(f"  max_seqlen={batch.get('max_seqlen')} labels={batch['num_label_tokens']} samples={len(rows)}")
+    for row in rows[: args.examples]:
+        text = describe_sample(processor.tokenizer, row["input_ids"], row["labels"], model_config.image_token_id)
+        print(f"\n--- sample {row['sample_id']} ({row['length']} tokens, grids {row['image_grid_thw']})\n{text}")
+
+
+if __name__ == "__main__":
+    main()

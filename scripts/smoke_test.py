@@ -1,0 +1,112 @@
+"""`make smoke-test`: from a fresh checkout to a trained tiny model, in one command.
+
+1. Environment: uses the current Python when it has the requirements; otherwise installs the missing ones from
+   carried wheels (`.whl/`, the GPU image) or creates `.venv` with `make install` and re-runs itself there.
+2. Trains recipes/smoke.yaml with train.py — which generates the built-in dataset and the tiny processor on first
+   use — on one GPU with the fused rope kernels; without a GPU, a smaller CPU run (transformers' rope: the Triton
+   kernels would run in their interpreter, ~100x slower).
+3. Prints a summary (loss start → end, tokens/s, MFU, where the run, its export and its wandb files are) and fails
+   unless the loss fell clearly.
+
+Extra arguments are passed to train.py as overrides, e.g. `make smoke-test ARGS="train.max_steps=100"`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/smoke.yaml"
+REQUIRED = {"torch": None, "transformers": "5.23.0", "accelerate": None, "datasets": None, "wandb": None, "yaml": None}
+DISTRIBUTIONS = {"yaml": "pyyaml"}
+CPU_OVERRIDES = [
+    "train.output_dir=runs/smoke-cpu",
+    "model.dtype=float32",
+    "kernels.mrope=unfused",
+    "data.num_samples=600",
+    "packing.max_tokens=1024",
+    "train.max_steps=150",
+    "train.eval_every=50",
+    "checkpoint.every_steps=0",
+]
+REQUIRED_LOSS_DROP = 0.5  # the end loss must be below this fraction of the start loss
+
+
+def missing_requirements() -> list[str]:
+    """Requirement specs (pip syntax) the current interpreter lacks or has at another pinned version."""
+    missing = []
+    for module, version in REQUIRED.items():
+        name = DISTRIBUTIONS.get(module, module)
+        if importlib.util.find_spec(module) is None:
+            missing.append(f"{name}=={version}" if version else name)
+        elif version and importlib.metadata.version(name) != version:
+            missing.append(f"{name}=={version}")
+    return missing
+
+
+def ensure_environment() -> None:
+    missing = missing_requirements()
+    if not missing:
+        return
+    wheels = ROOT / ".whl"
+    if wheels.is_dir() and any(wheels.glob("*.whl")):
+        print(f"[smoke] installing {', '.join(missing)} from carried wheels in .whl/", flush=True)
+        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
+        subprocess.run([*pip, *missing], check=True)
+        return
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if Path(sys.executable).resolve() == venv_python.resolve():
+        sys.exit(f"[smoke] .venv lacks {missing}: delete .venv and run `make install`.")
+    print(f"[smoke] {sys.executable} lacks {', '.join(missing)}: creating .venv with `make install`", flush=True)
+    subprocess.run(["make", "-C", str(ROOT), "install"], check=True)
+    os.execv(str(venv_python), [str(venv_python), __file__, *sys.argv[1:]])
+
+
+def main() -> int:
+    ensure_environment()
+    import torch
+
+    on_gpu = torch.cuda.is_available()
+    overrides = [] if on_gpu else list(CPU_OVERRIDES)
+    overrides += sys.argv[1:]
+    device = torch.cuda.get_device_name(0) if on_gpu else "CPU (no CUDA device: smaller run, transformers' rope)"
+    print(f"[smoke] {device}: python train.py --config {RECIPE} {' '.join(overrides)}", flush=True)
+    command = [sys.executable, "train.py", "--config", RECIPE, *overrides]
+    result = subprocess.run(command, cwd=ROOT, check=False)
+    if result.returncode != 0:
+        print(f"[smoke] FAILED: train.py exited with {result.returncode}", flush=True)
+        return result.returncode
+
+    sys.path.insert(0, str(ROOT))
+    from training.config import load_config
+
+    run_dir = ROOT / load_config(str(ROOT / RECIPE), overrides).train.output_dir
+    summary = json.loads((run_dir / "summary.json").read_text())
+    start, end = summary["loss_start"], summary["loss_end"]
+    mfu = "n/a (no GPU peak known)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
+    lines = [
+        f"loss            {start:.3f} → {end:.3f} over {summary['steps']} steps (eval {summary['eval_loss']})",
+        f"tokens/s/GPU    {summary['tokens_per_s_per_gpu']:.0f} (after {summary['timed_steps']} timed steps), MFU {mfu}",
+        f"rope kernels    {'fused (Triton)' if summary['fused_rope'] else 'transformers (unfused)'}",
+        f"peak memory     {summary['peak_mem_gib']} GiB",
+        f"run directory   {summary['run_dir']} (metrics.jsonl, summary.json, config.yaml, checkpoints/)",
+        f"export          {summary['export_dir']}",
+    ]
+    if summary["wandb_dir"]:
+        lines.append(f"wandb files     {summary['wandb_dir']} (offline runs upload with `wandb sync <that dir>`)")
+    print("\n[smoke] summary\n  " + "\n  ".join(lines), flush=True)
+    if not end < REQUIRED_LOSS_DROP * start:
+        print(f"[smoke] FAILED: the loss did not fall below {REQUIRED_LOSS_DROP:.0%} of its start.", flush=True)
+        return 1
+    print("[smoke] OK", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

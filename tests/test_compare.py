@@ -1,0 +1,149 @@
+"""scripts/compare_throughput.py: the fused-vs-unfused comparison end to end on a tiny CPU run (two train.py
+processes, two offline wandb runs in one group, table, plot, JSON), and its bookkeeping on hand-made results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from scripts import compare_throughput as compare
+from training.config_tree import ConfigError
+from wandb.proto import wandb_internal_pb2
+
+TINY = "recipes/tiny-qwen2_5_vl.yaml"
+# Small enough for two CPU runs in about a minute: short packs, few samples, two timed steps.
+TINY_OVERRIDES = [
+    "data.num_samples=48",
+    "packing.max_tokens=256",
+    "model.dtype=float32",
+    "checkpoint.export=false",
+    "train.eval_every=0",
+    "logging.progress_bar=false",
+]
+LEVELDB_BLOCK = 32768
+LEVELDB_HEADER = 7  # crc32 (4) + length (2) + record type (1)
+WANDB_FILE_HEADER = 7  # ":W&B" + magic (2) + version (1)
+
+
+def wandb_file_records(path: Path) -> list[wandb_internal_pb2.Record]:
+    """The protobuf records of an offline `run-*.wandb` file: a W&B header, then LevelDB-log framed records
+    (32 KiB blocks; a record split across blocks comes as FIRST, MIDDLE…, LAST fragments)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", f"{path} is not a wandb run file"
+    records, pending, pos = [], b"", WANDB_FILE_HEADER
+    while pos + LEVELDB_HEADER <= len(data):
+        room = LEVELDB_BLOCK - pos % LEVELDB_BLOCK
+        if room < LEVELDB_HEADER:  # block trailer padding
+            pos += room
+            continue
+        length = int.from_bytes(data[pos + 4 : pos + 6], "little")
+        kind = data[pos + 6]
+        payload = data[pos + LEVELDB_HEADER : pos + LEVELDB_HEADER + length]
+        pos += LEVELDB_HEADER + length
+        if kind == 1:  # FULL
+            records.append(wandb_internal_pb2.Record.FromString(payload))
+        elif kind == 2:  # FIRST
+            pending = payload
+        elif kind == 3:  # MIDDLE
+            pending += payload
+        elif kind == 4:  # LAST
+            records.append(wandb_internal_pb2.Record.FromString(pending + payload))
+    return records
+
+
+def wandb_run_record(run_dir: Path) -> wandb_internal_pb2.RunRecord:
+    files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(files) == 1, f"expected one offline wandb run under {run_dir}, found {files}"
+    runs = [r.run for r in wandb_file_records(files[0]) if r.HasField("run")]
+    assert runs, f"{files[0]} holds no run record"
+    return runs[0]
+
+
+@pytest.mark.slow
+def test_fused_and_unfused_land_in_one_wandb_group(tmp_path, monkeypatch):
+    """Two separate train.py runs (fused, unfused) see the same batches, their losses agree closely (same math,
+    different rope code), the table/PNG/JSON are written, and both offline wandb runs carry the comparison's
+    group and their own variant tag."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
+    out = tmp_path / "compare"
+    argv = ["--config", TINY, "--steps", "3", "--warmup", "1", "--out", str(out), "--group", "ci-compare"]
+    report = compare.main([*argv, *TINY_OVERRIDES])
+
+    rows = report["variants"]
+    assert list(rows) == ["fused", "unfused"]
+    assert rows["fused"]["fused_rope"] and not rows["unfused"]["fused_rope"]
+    for row in rows.values():
+        assert row["tokens_per_s_per_gpu"] > 0 and row["timed_steps"] == 2
+    assert rows["fused"]["same_data_as_baseline"]
+    assert rows["fused"]["max_abs_dloss_vs_baseline"] < 1e-3
+    assert report["ratios"]["fused/unfused tokens/s"] == pytest.approx(
+        rows["fused"]["tokens_per_s_per_gpu"] / rows["unfused"]["tokens_per_s_per_gpu"]
+    )
+    assert json.loads((out / "comparison.json").read_text())["wandb_group"] == "ci-compare"
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "comparison.md").read_text()
+    assert "| fused |" in table and "| unfused |" in table
+
+    for variant in ("fused", "unfused"):
+        run = wandb_run_record(out / variant)
+        assert run.run_group == "ci-compare"
+        assert variant in run.tags
+
+
+def _result(variant: str, losses: list[float], efficiency: list[float], tokens_per_s: float) -> compare.RunResult:
+    records = [
+        {"step": i + 1, "loss": loss, "pack_efficiency": eff, "step_time_s": 1000.0 / tokens_per_s}
+        for i, (loss, eff) in enumerate(zip(losses, efficiency))
+    ]
+    summary = {
+        "tokens_per_s_per_gpu": tokens_per_s,
+        "mfu": tokens_per_s / 1e4,
+        "peak_mem_gib": 1.0,
+        "loss_end": losses[-1],
+        "timed_steps": len(losses) - 1,
+        "fused_rope": variant != "unfused",
+    }
+    return compare.RunResult(variant, Path(variant), summary, records, 1.0)
+
+
+def test_ratios_and_loss_gaps_follow_the_baseline():
+    """Ratios divide by the baseline; |Δloss| is the largest per-step gap; the padded run, which sees other
+    batches, gets no loss comparison with a packed baseline; differing batches show as not the same data."""
+    results = [
+        _result("fused", [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], 120.0),
+        _result("unfused", [5.0, 4.1, 2.8], [0.9, 0.8, 0.9], 100.0),
+        _result("padded", [5.5, 4.5, 3.5], [0.5, 0.4, 0.5], 60.0),
+    ]
+    comparison = compare.compare(results, "unfused", warmup=1)
+    rows = comparison["variants"]
+    assert rows["fused"]["tokens_per_s_per_gpu_ratio"] == pytest.approx(1.2)
+    assert rows["fused"]["max_abs_dloss_vs_baseline"] == pytest.approx(0.2)
+    assert rows["fused"]["same_data_as_baseline"] is True
+    assert rows["padded"]["max_abs_dloss_vs_baseline"] is None
+    assert comparison["ratios"]["packed/padded tokens/s"] == pytest.approx(2.0)
+    assert "| padded |" in compare.table(comparison)
+
+    shifted = _result("fused", [5.0, 4.0, 3.0], [0.9, 0.7, 0.9], 120.0)
+    assert not compare.same_data(shifted, results[1])
+
+
+def test_variant_selection_refuses_bad_requests():
+    """Unknown or repeated variants are errors; Liger is left out, with the reason, where it cannot apply; fewer
+    than two runnable variants is an error."""
+    with pytest.raises(ConfigError, match="unknown"):
+        compare.select_variants("fused,fast", "qwen2_5_vl", None)
+    with pytest.raises(ConfigError, match="twice"):
+        compare.select_variants("fused,fused", "qwen2_5_vl", None)
+    kept, left_out = compare.select_variants("fused,unfused,liger", "qwen3_vl", None)
+    assert kept == ["fused", "unfused"] and "qwen3_vl" in left_out["liger"]
+    with pytest.raises(ConfigError, match="at least two"):
+        compare.select_variants("fused,liger", "qwen3_5", None)
+
+
+def test_overrides_of_the_compared_keys_are_refused():
+    """A user override of a key the comparison sets itself (here the rope choice) is refused before any run."""
+    with pytest.raises(ConfigError, match=r"kernels\.mrope"):
+        compare.main(["--config", TINY, "kernels.mrope=fused"])

@@ -1,0 +1,308 @@
+"""The data pipeline end to end (data/pipeline.py): loaders, processing, bad inputs, collated batches, resume."""
+
+import itertools
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, Image, List
+
+from data.pipeline import build_data, load_processor
+from data.processing import IGNORE_INDEX
+from data.special_tokens import EOS_ID, VISION_START_ID
+from data.synthetic import write_builtin_dataset
+from training.config import load_config
+from training.modeling import build_model, hf_config
+
+
+def recipe(name: str, cache, *overrides: str):
+    return load_config(f"recipes/{name}.yaml", [f"data.cache_dir={cache}", "data.num_workers=0", *overrides])
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def build(cfg, rank=0, world_size=1):
+    model_config = hf_config(cfg.model)
+    processor = load_processor(cfg)
+    return (*build_data(cfg, processor, model_config, rank=rank, world_size=world_size), processor, model_config)
+
+
+def epoch_rows(loader, epoch=0):
+    """Processed rows of every sample the loader plans for an epoch, in plan order."""
+    return [row for step in loader.steps(epoch) for pack in step for row in loader.fetch([i.key for i in pack.items])]
+
+
+def sample_slices(batch):
+    cu = batch["cu_seqlens"].tolist()
+    return [slice(a, b) for a, b in itertools.pairwise(cu)]
+
+
+def test_labels_never_cross_a_sample_boundary(cache):
+    """shift_labels[t] is the label of token t+1 of the same sample, and -100 at each sample's last token;
+    cu_seqlens is int32 starting at 0 and ending at T, max_seqlen a Python int; packs respect the budget."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=1024")
+    train, _, _, _, _ = build(cfg)
+    step_rows = [train.fetch([i.key for i in step[0].items]) for step in train.steps(0)]
+    for rows, batch in zip(step_rows, train, strict=False):
+        assert batch["cu_seqlens"].dtype == torch.int32 and batch["cu_seqlens"][0] == 0
+        assert batch["cu_seqlens"][-1] == batch["input_ids"].shape[1] <= 1024
+        assert isinstance(batch["max_seqlen"], int)
+        assert batch["max_seqlen"] == max(s.stop - s.start for s in sample_slices(batch))
+        for row, part in zip(rows, sample_slices(batch), strict=True):
+            expected = [*row["labels"][1:], IGNORE_INDEX]
+            assert batch["shift_labels"][0, part].tolist() == expected
+            assert batch["seq_idx"][0, part].unique().numel() == 1
+        if train.step_in_epoch >= 3:
+            break
+
+
+def test_labels_cover_exactly_the_assistant_replies(cache):
+    """Trained tokens are the assistant replies with their closing <|im_end|>, nothing from system/user turns."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=30")
+    train, _, _, processor, _ = build(cfg)
+    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-0-30" / "data.jsonl").open())}
+    for row in epoch_rows(train):
+        replies = [t["value"] for t in records[row["sample_id"]]["conversations"] if t["from"] == "gpt"]
+        trained = [token for token in row["labels"] if token != IGNORE_INDEX]
+        assert trained.count(EOS_ID) == len(replies)
+        assert processor.tokenizer.decode(trained) == "".join(reply + "<|im_end|>" for reply in replies)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_positions_restart_and_equal_model_rope_index(cache, family):
+    """Row 0 restarts at 0 in every sample; rows 1-3 equal the real model's get_rope_index on that sample alone
+    (chunked Qwen2.5-VL and interleaved Qwen3-VL); image tokens per sample equal their grids' merged size."""
+    cfg = recipe(f"tiny-{family}", cache, "data.num_samples=40", "packing.max_tokens=1024")
+    train, _, _, _, model_config = build(cfg)
+    model = build_model(cfg.model)
+    merge = model_config.vision_config.spatial_merge_size**2
+    batch = next(iter(train))
+    grids = iter(batch["image_grid_thw"])
+    assert batch["pixel_values"].shape[0] == batch["image_grid_thw"].prod(-1).sum() == batch["num_vision_patches"]
+    for part in sample_slices(batch):
+        ids = batch["input_ids"][:, part]
+        types = batch["mm_token_type_ids"][:, part]
+        sample_grids = [next(grids) for _ in range(int((ids == VISION_START_ID).sum()))]
+        grid = torch.stack(sample_grids) if sample_grids else None
+        expected, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid)
+        positions = batch["position_ids"][:, :, part]
+        assert torch.equal(positions[0, 0], torch.arange(part.stop - part.start))
+        assert torch.equal(positions[1:], expected)
+        image_tokens = int((types == 1).sum())
+        assert image_tokens == sum(int(g.prod()) // merge for g in sample_grids)
+    assert next(grids, None) is None
+
+
+def test_every_kept_sample_once_per_epoch_and_resume(cache):
+    """An epoch's plan holds every kept training sample exactly once; a loader restored from state_dict mid-epoch
+    (and across the epoch boundary) yields exactly the batches the original would have yielded next."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=768")
+    train, _, stats, _, _ = build(cfg)
+    ids = [row["sample_id"] for row in epoch_rows(train)]
+    assert len(ids) == len(set(ids)) == stats.kept_train
+    steps_per_epoch = len(list(train.steps(0)))
+    original = iter(train)
+    for _ in range(steps_per_epoch - 2):
+        next(original)
+    state = train.state_dict()
+    expected = [next(original)["input_ids"] for _ in range(4)]  # crosses into epoch 1
+    resumed, _, _, _, _ = build(cfg)
+    resumed.load_state_dict(state)
+    got = [batch["input_ids"] for _, batch in zip(range(4), resumed, strict=False)]
+    assert all(torch.equal(a, b) for a, b in zip(expected, got, strict=True))
+    assert ids != [row["sample_id"] for row in epoch_rows(train, epoch=1)]  # reshuffled per epoch
+
+
+def test_ranks_split_each_step(cache):
+    """With world_size 2, each rank yields its own pack of every step; together they cover every kept sample
+    except the packs of a final step too small for both ranks."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=512")
+    rank0, _, stats, _, _ = build(cfg, rank=0, world_size=2)
+    rank1, _, _, _, _ = build(cfg, rank=1, world_size=2)
+    steps = list(rank0.steps(0))
+    per_rank = [[len(b["sample_lengths"]) for _, b in zip(steps, loader, strict=False)] for loader in (rank0, rank1)]
+    assert per_rank == [[len(step[rank].items) for step in steps] for rank in (0, 1)]
+    tail = stats.kept_train - sum(len(p.items) for step in steps for p in step)
+    assert tail >= 0 and sum(map(sum, per_rank)) == stats.kept_train - tail
+    assert rank0.state_dict() == rank1.state_dict()
+
+
+def test_padded_mode_batches(cache):
+    """Padded batches: padding has attention_mask 0 and label -100, and real tokens match the samples."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=40", "packing.mode=padded", "packing.padded_batch_size=4")
+    train, _, _, _, _ = build(cfg)
+    rows = train.fetch([i.key for i in next(iter(train.steps(0)))[0].items])
+    batch = next(iter(train))
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (4, max(r["length"] for r in rows))
+    assert batch["position_ids"].shape[:2] == (4, 4)
+    assert batch["attention_mask"].sum(1).tolist() == [r["length"] for r in rows]
+    assert (batch["shift_labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+
+
+def good_records(tmp_path, count=8):
+    """LLaVA records from the generator, with absolute image paths."""
+    directory = tmp_path / "src"
+    records = [json.loads(line) for line in write_builtin_dataset(directory, count, seed=5).open()]
+    for record in records:
+        if isinstance(record.get("image"), str):
+            record["image"] = str(directory / record["image"])
+        elif record.get("image"):
+            record["image"] = [str(directory / p) for p in record["image"]]
+    return records
+
+
+def to_messages(record, image_as_bytes=False):
+    """The same conversation in role/content form, images as content items (or bytes in an `images` column)."""
+    messages = []
+    for turn in record["conversations"]:
+        items = []
+        for index, piece in enumerate(turn["value"].split("<image>")):
+            if index:
+                items.append({"type": "image", "text": None})
+            if piece.strip():
+                items.append({"type": "text", "text": piece})
+        messages.append({"role": "user" if turn["from"] == "human" else "assistant", "content": items})
+    images = record.get("image", [])
+    images = [images] if isinstance(images, str) else images
+    out = {"id": record["id"], "messages": messages}
+    out["images"] = [{"bytes": Path(p).read_bytes(), "path": None} for p in images] if image_as_bytes else images
+    return out
+
+
+def kept_token_sets(cfg):
+    train, _, stats, _, _ = build(cfg)
+    return stats, sorted(tuple(row["input_ids"]) for row in epoch_rows(train))
+
+
+def test_loaders_agree_across_formats(tmp_path, cache):
+    """LLaVA JSON, LLaVA JSONL, messages JSONL and parquet (embedded image bytes) give identical samples."""
+    records = good_records(tmp_path)
+    (tmp_path / "llava.json").write_text(json.dumps(records))
+    (tmp_path / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "messages.jsonl").write_text("".join(json.dumps(to_messages(r)) + "\n" for r in records))
+    rows = [to_messages(r, image_as_bytes=True) for r in records]
+    table = Dataset.from_list(rows).cast_column("images", List(Image()))
+    table.to_parquet(str(tmp_path / "messages.parquet"))
+    results = {}
+    for name in ("llava.json", "llava.jsonl", "messages.jsonl", "messages.parquet"):
+        cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / name}", "data.eval_fraction=0")
+        stats, tokens = kept_token_sets(cfg)
+        assert stats.kept_train == len(records) and not stats.skipped, name
+        results[name] = tokens
+    assert len({tuple(v) for v in results.values()}) == 1
+
+
+def bad_records(tmp_path, good):
+    """One record per skip reason, built from a good single-image record."""
+    single = next(r for r in good if isinstance(r.get("image"), str))
+    corrupt = tmp_path / "corrupt.png"
+    corrupt.write_bytes(b"\x89PNG\r\n\x1a\n not really a png")
+    turns = single["conversations"]
+    return {
+        "missing_image": {**single, "id": "bad-missing", "image": str(tmp_path / "nope.png")},
+        "corrupt_image": {**single, "id": "bad-corrupt", "image": str(corrupt)},
+        "image_count_mismatch": {**single, "id": "bad-count", "image": [single["image"], single["image"]]},
+        "no_assistant_turn": {**single, "id": "bad-noreply", "conversations": turns[:1]},
+        "empty_text": {**single, "id": "bad-empty", "conversations": [turns[0], {"from": "gpt", "value": " "}]},
+        "too_long": {"id": "bad-long", "conversations": [{"from": "human", "value": "cat " * 1500}, turns[1]]},
+        "unknown_format": {"id": "bad-format", "question": "?", "answer": "!"},
+    }
+
+
+def test_bad_inputs_are_counted_and_good_samples_survive(tmp_path, cache):
+    """Each kind of bad record is skipped and counted under its reason; every good record is kept."""
+    good = good_records(tmp_path)
+    bad = bad_records(tmp_path, good)
+    lines = [json.dumps(r) for r in [*good[:4], *bad.values(), *good[4:]]]
+    (tmp_path / "mixed.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'mixed.jsonl'}", "data.eval_fraction=0")
+    train, _, stats, _, _ = build(cfg)
+    assert dict(stats.skipped) == {reason: 1 for reason in bad}
+    assert stats.kept_train == len(good) and stats.records == len(good) + len(bad)
+    assert sorted(r["sample_id"] for r in epoch_rows(train)) == sorted(r["id"] for r in good)
+
+
+def test_on_error_raise_names_the_sample(tmp_path, cache):
+    """With data.on_error=raise, a bad record stops the run with an error that names it."""
+    good = good_records(tmp_path)
+    (tmp_path / "bad.jsonl").write_text(json.dumps(bad_records(tmp_path, good)["missing_image"]) + "\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bad.jsonl'}", "data.on_error=raise")
+    with pytest.raises(ValueError, match="bad-missing"):
+        build(cfg)
+
+
+def test_streaming_matches_in_memory(tmp_path, cache):
+    """Streaming mode plans the same set of samples as the in-memory mode, and counts skips the same way."""
+    good = good_records(tmp_path)
+    lines = [json.dumps(r) for r in good] + [json.dumps(bad_records(tmp_path, good)["corrupt_image"])]
+    (tmp_path / "s.jsonl").write_text("\n".join(lines) + "\n")
+    overrides = (f"data.path={tmp_path / 's.jsonl'}", "data.eval_fraction=0")
+    stats, in_memory = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    streaming_cfg = recipe("tiny-qwen2_5_vl", cache, *overrides, "data.streaming=true")
+    train, _, streaming_stats, _, _ = build(streaming_cfg)
+    assert sorted(tuple(r["input_ids"]) for r in epoch_rows(train)) == in_memory
+    assert streaming_stats.skipped == stats.skipped and streaming_stats.kept_train == stats.kept_train
+
+
+def test_processed_cache_is_reused(tmp_path, cache):
+    """A second build with the same settings reads the processed dataset from cache (same rows, no reprocessing
+    of a deleted image), and a changed pixel bound reprocesses."""
+    good = good_records(tmp_path)
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={tmp_path / 'c.jsonl'}", "data.eval_fraction=0")
+    first = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1]
+    shutil.copytree(tmp_path / "src", tmp_path / "src-copy")
+    shutil.rmtree(tmp_path / "src" / "images")
+    assert kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1] == first
+    stats, _ = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.max_pixels=20000"))
+    assert stats.skipped["missing_image"] > 0
+
+
+def test_worker_processes_give_the_same_batches(cache):
+    """Collating in DataLoader workers yields the same batches, in the same order, as collating inline, and the
+    loader position advances the same way."""
+    overrides = ("data.num_samples=60", "packing.max_tokens=512")
+    inline, _, _, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    workers, _, _, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.num_workers=2"))
+    inline.load_state_dict({"epoch": 0, "step_in_epoch": 1})
+    workers.load_state_dict({"epoch": 0, "step_in_epoch": 1})
+    for (_, a), (_, b) in zip(zip(range(5), inline, strict=False), zip(range(5), workers, strict=False), strict=True):
+        assert a.keys() == b.keys()
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+        assert a["max_seqlen"] == b["max_seqlen"] and a["sample_lengths"] == b["sample_lengths"]
+    assert inline.state_dict() == workers.state_dict()
+
+
+def test_eval_loader_is_one_pass_over_held_out_samples(cache):
+    """The eval loader stops after one epoch and its packs hold exactly the held-out samples, none of which is
+    in the training plan."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "data.eval_fraction=0.1")
+    train, evaluation, stats, _, _ = build(cfg)
+    batches = list(evaluation)
+    assert sum(len(b["sample_lengths"]) for b in batches) == stats.kept_eval > 0
+    held_out = {row["sample_id"] for row in epoch_rows(evaluation)}
+    assert held_out.isdisjoint(row["sample_id"] for row in epoch_rows(train))
+
+
+def test_no_kept_sample_is_an_error_not_a_silent_hang(tmp_path, cache):
+    """A dataset whose every record is skipped makes the endless training loader raise, not spin forever."""
+    (tmp_path / "none.jsonl").write_text(json.dumps({"id": "x", "question": "?"}) + "\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'none.jsonl'}")
+    train, _, stats, _, _ = build(cfg)
+    assert stats.skipped["unknown_format"] == 1
+    with pytest.raises(ValueError, match="no batch"):
+        next(iter(train))
+
+
+def test_parallel_processing_matches_serial(tmp_path):
+    """datasets.map with num_proc=2 produces the same processed samples as one process."""
+    rows = {}
+    for num_proc in (1, 2):
+        cfg = recipe("tiny-qwen2_5_vl", tmp_path / f"cache{num_proc}", "data.num_samples=24", f"data.num_proc={num_proc}")
+        rows[num_proc] = kept_token_sets(cfg)[1]
+    assert rows[1] == rows[2] and len(rows[1]) > 0

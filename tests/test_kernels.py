@@ -1,0 +1,453 @@
+"""Fused rotary kernels against transformers' own rotary modules and apply functions, forward and backward.
+
+On CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py), so shapes stay small; the covering
+set of cases is chosen so every head_dim, layout, view kind, dtype, T class and GQA ratio appears at least once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers.models.qwen2_5_vl import configuration_qwen2_5_vl as cfg_qwen25
+from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen25
+from transformers.models.qwen3_5 import configuration_qwen3_5 as cfg_qwen35
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
+from transformers.models.qwen3_vl import configuration_qwen3_vl as cfg_qwen3
+from transformers.models.qwen3_vl import modeling_qwen3_vl as hf_qwen3
+
+from mrope_kernels import apply_mrope, apply_vision_rope, triton_rope
+from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+FP32_RTOL = 2e-5
+
+
+# --------------------------------------------------------------------------------------------------------------
+# transformers' side: rotary modules built from real configs, applied with the model's own apply function
+# --------------------------------------------------------------------------------------------------------------
+
+
+def hf_text_rotary(family: str, head_dim: int, sections: list[int], partial: float = 1.0):
+    """transformers' text rotary module of `family` (inv_freq, mrope_section and layout from its config)."""
+    rope = {"rope_type": "default", "mrope_section": sections}
+    if family == "qwen2_5_vl":
+        config = cfg_qwen25.Qwen2_5_VLTextConfig(
+            hidden_size=2 * head_dim, num_attention_heads=2, rope_parameters={**rope, "rope_theta": 1e6}
+        )
+        return hf_qwen25.Qwen2_5_VLRotaryEmbedding(config), hf_qwen25.apply_rotary_pos_emb, False
+    if family == "qwen3_vl":
+        config = cfg_qwen3.Qwen3VLTextConfig(
+            hidden_size=256, num_attention_heads=2, head_dim=head_dim, rope_parameters={**rope, "rope_theta": 5e6}
+        )
+        return hf_qwen3.Qwen3VLTextRotaryEmbedding(config), hf_qwen3.apply_rotary_pos_emb, True
+    config = cfg_qwen35.Qwen3_5TextConfig(
+        hidden_size=256,
+        num_attention_heads=2,
+        head_dim=head_dim,
+        rope_parameters={**rope, "rope_theta": 1e7, "partial_rotary_factor": partial},
+    )
+    return hf_qwen35.Qwen3_5TextRotaryEmbedding(config), hf_qwen35.apply_rotary_pos_emb, True
+
+
+def hf_text_forward(rotary, apply, q, k, positions):
+    """transformers' text rope on (B, S, H, D) q/k with (3, B, S) positions; cos/sin in q's dtype, as in the model."""
+    cos, sin = rotary(q, positions)
+    return apply(q, k, cos, sin, unsqueeze_dim=2)
+
+
+VISION_FAMILIES = {
+    "qwen2_5_vl": (cfg_qwen25.Qwen2_5_VLVisionConfig, hf_qwen25.Qwen2_5_VLVisionRotaryEmbedding, hf_qwen25),
+    "qwen3_vl": (cfg_qwen3.Qwen3VLVisionConfig, hf_qwen3.Qwen3VLVisionRotaryEmbedding, hf_qwen3),
+    "qwen3_5": (cfg_qwen35.Qwen3_5VisionConfig, hf_qwen35.Qwen3_5VisionRotaryEmbedding, hf_qwen35),
+}
+
+
+def hf_vision(family: str, head_dim: int):
+    config_cls, rotary_cls, module = VISION_FAMILIES[family]
+    rotary = rotary_cls(config_cls(hidden_size=2 * head_dim, num_heads=2))
+    assert rotary.inv_freq.numel() == head_dim // 4
+    return rotary, module.apply_rotary_pos_emb_vision
+
+
+# --------------------------------------------------------------------------------------------------------------
+# tolerances and inputs
+# --------------------------------------------------------------------------------------------------------------
+
+
+def assert_matches(ours: torch.Tensor, ref_fp32: torch.Tensor, what: str) -> None:
+    """fp32: ≤ 2e-5 relative (to the reference's max magnitude). bf16/fp16: within twice the rounding of the fp32
+    reference to that dtype, elementwise: relative 2 × half-ulp = eps, absolute twice the largest rounding error
+    seen (for tiny values). Our result is the fp32 rotation rounded once; HF rounds cos/sin and every product."""
+    assert ours.dtype != torch.float32 or ref_fp32.dtype == torch.float32
+    assert not ours.isnan().any(), f"{what}: NaN in output (unwritten element?)"
+    if ours.dtype == torch.float32:
+        atol = FP32_RTOL * ref_fp32.abs().max().item()
+        torch.testing.assert_close(ours, ref_fp32, rtol=FP32_RTOL, atol=atol, msg=lambda m: f"{what}: {m}")
+        return
+    rounding = (ref_fp32.to(ours.dtype).float() - ref_fp32).abs().max().item()
+    eps = torch.finfo(ours.dtype).eps
+    torch.testing.assert_close(ours.float(), ref_fp32, rtol=eps, atol=2 * rounding, msg=lambda m: f"{what}: {m}")
+
+
+def make_qk(layout: str, n_tokens: int, heads_q: int, heads_k: int, head_dim: int, dtype):
+    """q, k (T, H, D) in the requested memory layout, plus (B, S) of the leading dims.
+
+    thd: contiguous packed; bshd_transposed: HF's (B, H, S, D) projection view transposed to (B, S, H, D);
+    chunk: Qwen3.5's q from a (T, H, 2D) q/gate projection chunk (token and head strides 2D), k from a fused kv.
+    """
+    if layout == "thd":
+        return torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=dtype), torch.randn(
+            n_tokens, heads_k, head_dim, device=DEVICE, dtype=dtype
+        )
+    if layout == "bshd_transposed":
+        batch, seq = 2, n_tokens // 2
+        q = torch.randn(batch, seq, heads_q, head_dim, device=DEVICE, dtype=dtype).transpose(1, 2).transpose(1, 2)
+        k_heads_first = torch.randn(batch, heads_k, seq, head_dim, device=DEVICE, dtype=dtype)
+        return q, k_heads_first.transpose(1, 2)
+    q_and_gate = torch.randn(n_tokens, heads_q, 2 * head_dim, device=DEVICE, dtype=dtype)
+    kv = torch.randn(n_tokens, 2 * heads_k, head_dim, device=DEVICE, dtype=dtype)
+    return q_and_gate.chunk(2, dim=-1)[0], kv.chunk(2, dim=1)[0]
+
+
+def text_positions(lead: tuple[int, ...], max_position: int) -> torch.Tensor:
+    return torch.randint(0, max_position, (3, *lead), device=DEVICE)
+
+
+@dataclass(frozen=True)
+class TextCase:
+    family: str
+    n_tokens: int
+    heads_q: int
+    heads_k: int
+    head_dim: int
+    sections: tuple[int, int, int]
+    layout: str = "thd"
+    partial: float = 1.0
+    max_position: int = 4096
+
+
+TEXT_CASES = [
+    TextCase("qwen2_5_vl", 1, 4, 2, 128, (16, 24, 24)),
+    TextCase("qwen2_5_vl", 130, 7, 1, 64, (4, 14, 14), "bshd_transposed"),
+    TextCase("qwen3_vl", 37, 8, 2, 128, (24, 20, 20), max_position=100_000),
+    TextCase("qwen3_vl", 100, 4, 4, 80, (14, 13, 13), "bshd_transposed"),
+    TextCase("qwen3_5", 101, 6, 2, 256, (11, 11, 10), "chunk", partial=0.25),
+    TextCase("qwen3_5", 19, 3, 1, 72, (6, 6, 6), "chunk", partial=0.5, max_position=100_000),
+]
+
+
+def _text_inputs(case: TextCase, dtype):
+    rotary, apply, interleaved = hf_text_rotary(case.family, case.head_dim, list(case.sections), case.partial)
+    rotary = rotary.to(DEVICE)
+    q, k = make_qk(case.layout, case.n_tokens, case.heads_q, case.heads_k, case.head_dim, dtype)
+    positions = text_positions(tuple(q.shape[:-2]), case.max_position)
+    return rotary, apply, interleaved, q, k, positions
+
+
+def _hf_fp32(rotary, apply, q, k, positions):
+    """HF forward in fp32 on (B, S, H, D) views (a packed (T, H, D) input becomes B = 1)."""
+    batch_q, batch_k = (q, k) if q.dim() == 4 else (q[None], k[None])
+    batch_pos = positions if positions.dim() == 3 else positions[:, None]
+    out_q, out_k = hf_text_forward(rotary, apply, batch_q, batch_k, batch_pos)
+    return (out_q, out_k) if q.dim() == 4 else (out_q[0], out_k[0])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# text mRoPE
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "case", TEXT_CASES, ids=lambda c: f"{c.family}-T{c.n_tokens}-{c.heads_q}/{c.heads_k}x{c.head_dim}-{c.layout}"
+)
+def test_text_mrope_matches_transformers_fwd_bwd(case: TextCase, dtype):
+    """apply_mrope equals transformers' rotary module + apply_rotary_pos_emb (computed in fp32) in the forward
+    and in the gradients of q and k; inputs are left unmodified; outputs keep the input dtype."""
+    torch.manual_seed(hash(case) % 2**31)
+    rotary, apply, interleaved, q, k, positions = _text_inputs(case, dtype)
+    q_before, k_before = q.clone(), k.clone()
+    q_ref = q.detach().float().requires_grad_()
+    k_ref = k.detach().float().requires_grad_()
+    ref_q, ref_k = _hf_fp32(rotary, apply, q_ref, k_ref, positions)
+    grad_q, grad_k = torch.randn_like(ref_q), torch.randn_like(ref_k)
+    ref_dq, ref_dk = torch.autograd.grad((ref_q, ref_k), (q_ref, k_ref), (grad_q, grad_k))
+
+    q.requires_grad_()
+    k.requires_grad_()
+    out_q, out_k = apply_mrope(q, k, positions, rotary.inv_freq, case.sections, interleaved, rotary.attention_scaling)
+    assert out_q.dtype == dtype and out_k.dtype == dtype
+    assert_matches(out_q.detach(), ref_q.detach(), "q forward")
+    assert_matches(out_k.detach(), ref_k.detach(), "k forward")
+    dq, dk = torch.autograd.grad((out_q, out_k), (q, k), (grad_q.to(dtype), grad_k.to(dtype)))
+    assert_matches(dq, ref_dq, "q gradient")
+    assert_matches(dk, ref_dk, "k gradient")
+    assert torch.equal(q.detach(), q_before) and torch.equal(k.detach(), k_before), "out-of-place modified inputs"
+
+
+def test_attention_scaling_scales_cos_and_sin():
+    """attention_scaling multiplies cos and sin: the output is the unscaled rotation times the factor."""
+    torch.manual_seed(1)
+    q, k = torch.randn(9, 2, 64, device=DEVICE), torch.randn(9, 1, 64, device=DEVICE)
+    positions = text_positions((9,), 500)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    plain = apply_mrope(q, k, positions, inv_freq, [8, 12, 12])
+    scaled = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], attention_scaling=0.7)
+    torch.testing.assert_close(scaled[0], 0.7 * plain[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(scaled[1], 0.7 * plain[1], rtol=1e-6, atol=1e-6)
+
+
+def test_reference_matches_transformers_fp32():
+    """The plain-PyTorch reference (the CPU fallback) equals transformers in fp32 for chunked, interleaved and
+    partial rotary."""
+    torch.manual_seed(2)
+    for case in (TEXT_CASES[1], TEXT_CASES[2], TEXT_CASES[4]):
+        rotary, apply, interleaved, q, k, positions = _text_inputs(case, torch.float32)
+        ref = _hf_fp32(rotary, apply, q, k, positions)
+        ours = apply_mrope_reference(q, k, positions, rotary.inv_freq, case.sections, interleaved)
+        assert_matches(ours[0], ref[0], f"{case.family} reference q")
+        assert_matches(ours[1], ref[1], f"{case.family} reference k")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# vision 2-D rope
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("family", "n_tokens", "heads", "head_dim", "dtype"),
+    [
+        ("qwen2_5_vl", 67, 3, 80, torch.float32),
+        ("qwen3_vl", 1, 2, 72, torch.bfloat16),
+        ("qwen3_5", 33, 2, 64, torch.float32),
+        ("qwen3_vl", 45, 4, 72, torch.float32),
+    ],
+)
+def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_dim, dtype):
+    """apply_vision_rope equals transformers' vision rotary module + apply_rotary_pos_emb_vision (fp32) forward
+    and backward, with the frequency index restarting per axis; inputs unmodified."""
+    torch.manual_seed(3)
+    rotary, apply = hf_vision(family, head_dim)
+    rotary = rotary.to(DEVICE)
+    q = torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
+    positions = torch.randint(0, 2000, (n_tokens, 2), device=DEVICE)
+    q_before = q.clone()
+    q_ref, k_ref = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
+    cos, sin = rotary(q_ref, positions)
+    ref_q, ref_k = apply(q_ref, k_ref, cos, sin)
+    grad_q, grad_k = torch.randn_like(ref_q), torch.randn_like(ref_k)
+    ref_dq, ref_dk = torch.autograd.grad((ref_q, ref_k), (q_ref, k_ref), (grad_q, grad_k))
+
+    q.requires_grad_()
+    k.requires_grad_()
+    out_q, out_k = apply_vision_rope(q, k, positions, rotary.inv_freq)
+    assert_matches(out_q.detach(), ref_q.detach(), "vision q forward")
+    assert_matches(out_k.detach(), ref_k.detach(), "vision k forward")
+    dq, dk = torch.autograd.grad((out_q, out_k), (q, k), (grad_q.to(dtype), grad_k.to(dtype)))
+    assert_matches(dq, ref_dq, "vision q gradient")
+    assert_matches(dk, ref_dk, "vision k gradient")
+    assert torch.equal(q.detach(), q_before)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the launcher writes every element; in-place touches only the rotary lanes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("layout", "head_dim", "inv_len", "sections"),
+    [
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15)),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10)),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0)),
+    ],
+)
+def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections):
+    """Into NaN-poisoned outputs, the launcher writes every element (rotary and pass-through lanes) of every
+    head and token: no NaN survives and the result equals the reference."""
+    torch.manual_seed(4)
+    n_tokens, heads_q, heads_k = 29, 5, 3
+    q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE)
+    k = torch.randn(n_tokens, heads_k, head_dim, device=DEVICE)
+    inv_freq = torch.rand(inv_len, device=DEVICE)
+    q_out = torch.full_like(q, float("nan"))
+    k_out = torch.full_like(k, float("nan"))
+    if layout == triton_rope.LAYOUT_VISION:
+        positions = torch.randint(0, 100, (n_tokens, 2), device=DEVICE)
+        ref = apply_vision_rope_reference(q, k, positions, inv_freq)
+    else:
+        positions = text_positions((n_tokens,), 1000)
+        interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
+        ref = apply_mrope_reference(q, k, positions, inv_freq, sections, interleaved)
+    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False)
+    assert_matches(q_out, ref[0], "q")
+    assert_matches(k_out, ref[1], "k")
+
+
+def test_inplace_partial_rotary_touches_only_rotary_lanes_and_backprops():
+    """inplace=True returns q and k themselves, rotates lanes [0, R) exactly as transformers does, leaves the
+    pass-through lanes bit-identical, and gradients through it equal transformers' (Qwen3.5 partial rotary)."""
+    torch.manual_seed(5)
+    case = TEXT_CASES[4]
+    rotary, apply, interleaved, q, k, positions = _text_inputs(case, torch.float32)
+    rot = 2 * rotary.inv_freq.numel()
+    ref_q, ref_k = _hf_fp32(rotary, apply, q, k, positions)
+    q_pass, k_pass = q[..., rot:].clone(), k[..., rot:].clone()
+    out_q, out_k = apply_mrope(q, k, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
+    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
+    assert torch.equal(q[..., rot:], q_pass) and torch.equal(k[..., rot:], k_pass)
+    assert_matches(q, ref_q, "in-place q")
+    assert_matches(k, ref_k, "in-place k")
+
+    q_leaf, k_leaf = torch.randn_like(q, requires_grad=True), torch.randn_like(k, requires_grad=True)
+    q_ref, k_ref = q_leaf.detach().clone().requires_grad_(), k_leaf.detach().clone().requires_grad_()
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    out = apply_mrope(q_leaf * 1.0, k_leaf * 1.0, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
+    dq, dk = torch.autograd.grad(out, (q_leaf, k_leaf), (grad_q.clone(), grad_k.clone()))
+    ref = _hf_fp32(rotary, apply, q_ref, k_ref, positions)
+    ref_dq, ref_dk = torch.autograd.grad(ref, (q_ref, k_ref), (grad_q, grad_k))
+    assert_matches(dq, ref_dq, "in-place q gradient")
+    assert_matches(dk, ref_dk, "in-place k gradient")
+
+
+def test_torch_compile_fullgraph_traces_without_graph_break():
+    """torch.compile(fullgraph=True) traces apply_mrope and apply_vision_rope (custom ops with fake impls and
+    registered autograd) and gives the eager results, forward and backward."""
+    torch.manual_seed(6)
+    q = torch.randn(13, 4, 64, device=DEVICE, requires_grad=True)
+    k = torch.randn(13, 2, 64, device=DEVICE, requires_grad=True)
+    positions = text_positions((13,), 300)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    vision_positions = torch.randint(0, 30, (13, 2), device=DEVICE)
+    vision_inv = inv_freq[:16].contiguous()
+
+    def fn(q, k):
+        text_q, text_k = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True)
+        vis_q, vis_k = apply_vision_rope(q, k, vision_positions, vision_inv)
+        return (text_q * vis_q).sum() + (text_k * vis_k).sum()
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    eager_loss = fn(q, k)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k))
+    compiled_loss = compiled(q, k)
+    compiled_grads = torch.autograd.grad(compiled_loss, (q, k))
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    torch.testing.assert_close(compiled_grads, eager_grads)
+
+
+def test_torch_compile_fullgraph_inplace():
+    """The in-place variant (mutating custom op inside an autograd.Function) also traces with fullgraph=True
+    and matches eager forward and backward."""
+    torch.manual_seed(7)
+    q = torch.randn(7, 2, 64, device=DEVICE, requires_grad=True)
+    k = torch.randn(7, 1, 64, device=DEVICE, requires_grad=True)
+    positions = text_positions((7,), 50)
+    inv_freq = torch.rand(16, device=DEVICE)
+
+    def fn(q, k):
+        rot_q, rot_k = apply_mrope(q * 2.0, k * 2.0, positions, inv_freq, [6, 5, 5], interleaved=True, inplace=True)
+        return (rot_q * rot_q.detach()).sum() + rot_k.sum()
+
+    eager_loss = fn(q, k)
+    eager_grads = torch.autograd.grad(eager_loss, (q, k))
+    compiled_loss = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k)
+    compiled_grads = torch.autograd.grad(compiled_loss, (q, k))
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    torch.testing.assert_close(compiled_grads, eager_grads)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# bad input
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _good_text():
+    q, k = torch.randn(5, 2, 64), torch.randn(5, 1, 64)
+    return {"q": q, "k": k, "positions": torch.zeros(3, 5, dtype=torch.long), "inv_freq": torch.rand(32)}
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"mrope_section": [8, 8, 8]}, "sums to 24"),
+        ({"mrope_section": [16, 16]}, "3 non-negative ints"),
+        ({"inv_freq": torch.rand(40), "mrope_section": [10, 15, 15]}, "exceeds head_dim"),
+        ({"q": torch.randn(5, 2, 63), "k": torch.randn(5, 1, 63)}, "must be even"),
+        ({"positions": torch.zeros(3, 4, dtype=torch.long)}, "positions has shape"),
+        ({"positions": torch.zeros(5, dtype=torch.long)}, "positions has shape"),
+        ({"positions": torch.zeros(3, 5)}, "integer tensor"),
+        ({"k": torch.randn(5, 1, 64, dtype=torch.bfloat16)}, "share one dtype"),
+        ({"inv_freq": torch.rand(32, dtype=torch.float64)}, "float32"),
+        ({"inv_freq": torch.rand(32, device="meta")}, "one device"),
+        ({"q": torch.randn(5, 64, 2).transpose(1, 2)}, "contiguous last"),
+        ({"k": torch.randn(6, 1, 64)}, "share leading"),
+        ({"k": torch.randn(1, 5, 1, 64)}, "both be"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_text_input_raises_value_error(change, message):
+    """Each malformed apply_mrope input raises ValueError naming the problem (before any kernel runs)."""
+    args = {**_good_text(), "mrope_section": [8, 12, 12], **change}
+    with pytest.raises(ValueError, match=message):
+        apply_mrope(args["q"], args["k"], args["positions"], args["inv_freq"], args["mrope_section"])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"inv_freq": torch.rand(8)}, "inv_freq of length head_dim/4"),
+        ({"positions": torch.zeros(2, 5, dtype=torch.long)}, r"\(T, 2\)"),
+        ({"positions": torch.zeros(5, 2, dtype=torch.float32)}, "integer tensor"),
+        ({"q": torch.randn(1, 5, 2, 64), "k": torch.randn(1, 5, 2, 64)}, r"\(T, H, D\)"),
+        ({"k": torch.randn(5, 2, 64, dtype=torch.float16)}, "share one dtype"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else None,
+)
+def test_bad_vision_input_raises_value_error(change, message):
+    """Each malformed apply_vision_rope input raises ValueError naming the problem."""
+    args = {
+        "q": torch.randn(5, 2, 64),
+        "k": torch.randn(5, 2, 64),
+        "positions": torch.zeros(5, 2, dtype=torch.long),
+        "inv_freq": torch.rand(16),
+        **change,
+    }
+    with pytest.raises(ValueError, match=message):
+        apply_vision_rope(args["q"], args["k"], args["positions"], args["inv_freq"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# GPU: the real kernels at benchmark shapes
+# --------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "case",
+    [
+        TextCase("qwen2_5_vl", 16384, 28, 4, 128, (16, 24, 24), "bshd_transposed"),
+        TextCase("qwen3_5", 16384, 24, 4, 256, (11, 11, 10), "chunk", partial=0.25, max_position=100_000),
+    ],
+    ids=["qwen2.5-vl-7b", "qwen3.5"],
+)
+def test_gpu_text_large_matches_transformers(case: TextCase):
+    """At T = 16384 in bf16 on the GPU (real kernels, libdevice sin/cos), forward and backward stay within bf16
+    rounding of transformers in fp32, including positions up to 1e5."""
+    test_text_mrope_matches_transformers_fwd_bwd(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_large_positions_fp32_accuracy():
+    """fp32 at positions up to 1e5 on the GPU: sin/cos of large angles keep full range reduction (2e-5)."""
+    test_text_mrope_matches_transformers_fwd_bwd(
+        TextCase("qwen3_vl", 4096, 8, 2, 128, (24, 20, 20), max_position=100_000), torch.float32
+    )
+
+
+@pytest.mark.gpu
+def test_gpu_vision_large_matches_transformers():
+    """ViT 16x72 at T = 16384 in bf16 on the GPU matches transformers' vision rope (fp32) fwd and bwd."""
+    test_vision_rope_matches_transformers_fwd_bwd("qwen3_vl", 16384, 16, 72, torch.bfloat16)

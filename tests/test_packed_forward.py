@@ -1,0 +1,259 @@
+"""Packed (THD) forward == per-sample forward, for the six Qwen-VL families (training/packed.py, gated_delta.py)."""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from transformers import AttentionInterface
+
+from training import gated_delta
+from training.config import load_config
+from training.modeling import build_model
+from training.packed import (
+    PACKED_ATTENTION,
+    disable_packed_forward,
+    enable_packed_forward,
+    is_packed_forward_enabled,
+    packed_attention_forward,
+    packed_model_inputs,
+)
+from training.packing_check import (
+    RELATIVE_TOLERANCE,
+    PackingReport,
+    SampleSpec,
+    compare_packed_to_per_sample,
+    label_loss,
+    pack_samples,
+    synthetic_sample,
+)
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
+
+MIXED_PACK = (
+    SampleSpec(0, ((4, 4),), text_after=9),  # the pack starts with an image
+    SampleSpec(70),  # text only, longer than the 64-token delta-rule chunk
+    SampleSpec(1),  # one token: no label
+    SampleSpec(3, ((2, 4), (4, 2)), text_between=3),  # two images, the sample ends with one
+    SampleSpec(2, ((4, 4),), text_after=0),  # the pack ends with an image
+)
+BUDGET_FILLING = (SampleSpec(40, ((4, 8),), text_after=50),)  # one sample filling the whole pack
+
+
+def tiny_model(family: str, dtype: str = "float32") -> torch.nn.Module:
+    model_cfg = load_config(f"recipes/tiny-{family}.yaml").model
+    model_cfg.dtype = dtype
+    return build_model(model_cfg, attn_implementation="sdpa")
+
+
+def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
+    generator = torch.Generator().manual_seed(seed)
+    samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
+    for sample in samples:
+        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+            value = getattr(sample, name)
+            if value is not None:
+                setattr(sample, name, value.to(device, model.dtype if value.is_floating_point() else None))
+    return samples
+
+
+def assert_within(report: PackingReport, rtol: float) -> None:
+    assert report.grads, "no gradients compared"
+    assert not report.failures(rtol), "\n".join(report.failures(rtol))
+
+
+def apply_rope(model, rope: str) -> None:
+    if rope == "fused":
+        try:
+            from mrope_kernels.patch import patch_model
+        except ImportError as error:
+            pytest.skip(f"fused rope unavailable: {error}")
+        patch_model(model)
+
+
+@pytest.mark.parametrize("rope", ["unfused", "fused"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_equals_per_sample(family, rope):
+    """Logits, loss and every parameter gradient of a pack equal the per-sample forward+backward (fp32, summation
+    noise only): images at the start and end of the pack, text-only, 1-token and multi-image samples, Gated
+    DeltaNet layers across boundaries; unfused and fused rope."""
+    model = tiny_model(family)
+    apply_rope(model, rope)
+    enable_packed_forward(model)
+    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_budget_filling_sample(family):
+    """A pack holding one sample that fills the whole budget equals that sample's own forward+backward."""
+    model = tiny_model(family)
+    enable_packed_forward(model)
+    report = compare_packed_to_per_sample(model, samples_for(model, BUDGET_FILLING, seed=1))
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+def test_packed_equals_per_sample_with_gradient_checkpointing():
+    """Gradient checkpointing replays the layers with the pack's boundaries: packed == per-sample still."""
+    model = tiny_model("qwen3_5")
+    # activation_checkpointing_enable is the 5.23 name; 5.17 (the GPU image) only has the older one
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    enable_packed_forward(model)
+    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+def test_comparison_catches_leaking_attention():
+    """Guard: with an attention that ignores the pack (one causal window over all samples) the same comparison
+    fails, so the equality tests cannot pass if the packed attention is bypassed."""
+
+    def leaking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        kwargs.pop("packed_seqlens", None)
+        if kwargs.get("cu_seq_lens_q") is not None:
+            return packed_attention_forward(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, is_causal=True, scale=scaling, enable_gqa=True
+        )
+        return out.transpose(1, 2), None
+
+    model = tiny_model("qwen2_5_vl")
+    enable_packed_forward(model)
+    AttentionInterface.register(PACKED_ATTENTION, leaking_attention)
+    try:
+        report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    finally:
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    assert report.logits.relative > 1e-2
+    assert report.failures(RELATIVE_TOLERANCE[torch.float32])
+
+
+def _gdn_layer_and_pack(family: str):
+    model = tiny_model(family)
+    layer = gated_delta.gated_delta_layers(model)[0]
+    lengths = (5, 70, 1, 33)
+    hidden = torch.randn(
+        1, sum(lengths), model.config.text_config.hidden_size, generator=torch.Generator().manual_seed(0)
+    )
+    per_sample = torch.cat([layer(h[None]) for h in hidden[0].split(list(lengths))], dim=1)
+    return model, layer, lengths, hidden, per_sample
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_gated_delta_torch_path_equals_per_sample(family):
+    """The boundary-aware Gated DeltaNet forward on a flat pack equals the layer run on each sample alone: the causal
+    conv and the recurrent state restart at every boundary (samples longer than one 64-token chunk included)."""
+    model, layer, lengths, hidden, per_sample = _gdn_layer_and_pack(family)
+    enable_packed_forward(model)
+    inputs = packed_model_inputs(
+        model,
+        {
+            "input_ids": torch.zeros(1, sum(lengths), dtype=torch.long),
+            "position_ids": torch.zeros(4, 1, sum(lengths), dtype=torch.long),
+            "cu_seqlens": torch.tensor([0, 5, 75, 76, 109], dtype=torch.int32),
+            "max_seqlen": 70,
+            "sample_lengths": list(lengths),
+        },
+    )
+    packed = layer(hidden, packed_seqlens=inputs["packed_seqlens"])
+    torch.testing.assert_close(packed, per_sample, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", GDN_FAMILIES)
+def test_unpatched_gated_delta_leaks(family):
+    """Guard: transformers' own Gated DeltaNet torch path run on the same flat pack mixes the samples (its conv and
+    state run across boundaries), so the test above can fail if our path is bypassed."""
+    _, layer, _, hidden, per_sample = _gdn_layer_and_pack(family)
+    leaked = layer(hidden)
+    assert (leaked - per_sample).abs().max() > 1e-3
+
+
+def test_gated_delta_backend_fails_before_training_when_unavailable(monkeypatch):
+    """Asking for fla's Gated DeltaNet kernels where they cannot train fails at enable time, naming the reason,
+    and leaves the model untouched; "auto" falls back to the exact torch path."""
+    monkeypatch.setattr(gated_delta, "fla_unusable_reason", lambda: "flash-linear-attention is not installed")
+    model = tiny_model("qwen3_5")
+    with pytest.raises(ValueError, match="flash-linear-attention is not installed"):
+        enable_packed_forward(model, gated_delta_backend="fla")
+    assert not is_packed_forward_enabled(model)
+    assert all("forward" not in vars(layer) for layer in gated_delta.gated_delta_layers(model))
+    assert enable_packed_forward(model, gated_delta_backend="auto") == "torch"
+
+
+def test_torch_backend_forces_and_restores_the_torch_delta_rule():
+    """The torch backend makes the modeling module call transformers' own torch delta rule (never a kernel whose
+    backward may refuse) while enabled, and disable_packed_forward puts the original function back."""
+    model = tiny_model("qwen3_5")
+    modeling = sys.modules[type(gated_delta.gated_delta_layers(model)[0]).__module__]
+    original = modeling.torch_chunk_gated_delta_rule
+    enable_packed_forward(model, gated_delta_backend="torch")
+    assert modeling.torch_chunk_gated_delta_rule is inspect.unwrap(original)
+    disable_packed_forward(model)
+    assert modeling.torch_chunk_gated_delta_rule is original
+
+
+def test_padded_batch_through_enabled_model():
+    """The same enabled model serves the padded baseline: a right-padded batch (attention_mask, no pack) gives each
+    sample's own logits on its real tokens."""
+    model = tiny_model("qwen3_5")
+    enable_packed_forward(model)
+    samples = samples_for(model, (SampleSpec(9), SampleSpec(3, ((4, 4),), text_after=4)))
+    alone = [model(input_ids=s.input_ids[None], mm_token_type_ids=s.mm_token_type_ids[None],
+                   pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw, use_cache=False).logits[0]
+             for s in samples]  # fmt: skip
+    width = max(len(s) for s in samples)
+    input_ids = torch.zeros(len(samples), width, dtype=torch.long)
+    types = torch.zeros(len(samples), width, dtype=torch.int32)
+    mask = torch.zeros(len(samples), width, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        input_ids[row, : len(sample)] = sample.input_ids
+        types[row, : len(sample)] = sample.mm_token_type_ids
+        mask[row, : len(sample)] = 1
+    padded = model(
+        input_ids=input_ids,
+        attention_mask=mask,
+        mm_token_type_ids=types,
+        pixel_values=samples[1].pixel_values,
+        image_grid_thw=samples[1].image_grid_thw,
+        use_cache=False,
+    ).logits
+    for row, logits in enumerate(alone):
+        torch.testing.assert_close(padded[row, : logits.shape[0]], logits, rtol=1e-4, atol=1e-5)
+
+
+def test_packed_inputs_refuse_unprepared_model_and_bad_boundaries():
+    """Packed inputs are refused for a model without the packed forward (its samples would leak silently) and for
+    boundaries that disagree with the tokens; disable_packed_forward restores the original model."""
+    model = tiny_model("qwen3_5")
+    batch = pack_samples(model, samples_for(model, (SampleSpec(4), SampleSpec(6))))
+    with pytest.raises(ValueError, match="enable_packed_forward"):
+        packed_model_inputs(model, batch)
+    enable_packed_forward(model)
+    with pytest.raises(ValueError, match="sum to T"):
+        packed_model_inputs(model, {**batch, "sample_lengths": [4, 5]})
+    disable_packed_forward(model)
+    assert not is_packed_forward_enabled(model)
+    assert model.config.text_config._attn_implementation == "sdpa"
+    assert model.config.vision_config._attn_implementation == "sdpa"
+    assert all("forward" not in vars(layer) for layer in gated_delta.gated_delta_layers(model))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_equals_per_sample_bf16_gpu(family):
+    """On CUDA in bf16 (varlen_attn / flash-attn for text and vision), packed == per-sample within bf16 rounding,
+    on a moderate pack (several hundred tokens, several images)."""
+    model = tiny_model(family, dtype="bfloat16").cuda()
+    enable_packed_forward(model)
+    specs = (*MIXED_PACK, SampleSpec(200, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(150))
+    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+def test_label_loss_normalises_by_total_labels():
+    """label_loss is the summed token cross entropy divided by the given label count (ignored tokens excluded)."""
+    logits = torch.randn(1, 4, 7)
+    labels = torch.tensor([[1, -100, 3, -100]])
+    expected = torch.nn.functional.cross_entropy(logits[0, [0, 2]], labels[0, [0, 2]], reduction="sum") / 5
+    torch.testing.assert_close(label_loss(logits, labels, 5), expected)

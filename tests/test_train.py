@@ -1,0 +1,269 @@
+"""The training loop on CPU: end-to-end runs on the built-in data, exact resume, the export, loss normalisation,
+the vision tower on text-only packs, and the MFU FLOP count against a hand count."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.state import AcceleratorState
+from PIL import Image
+from transformers import AutoModelForImageTextToText, AutoProcessor
+
+import train
+from training import checkpoint, loop, metrics, parts
+from training.config import load_config
+from training.modeling import build_model
+from training.packed import enable_packed_forward
+
+TINY = "recipes/tiny-qwen2_5_vl.yaml"
+METRIC_KEYS = {
+    "step",
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens_per_s_per_gpu",
+    "text_tokens_per_s",
+    "vision_tokens_per_s",
+    "step_time_s",
+    "mfu",
+    "pack_efficiency",
+    "peak_mem_gib",
+}
+
+
+@pytest.fixture(scope="module")
+def data_cache(tmp_path_factory) -> Path:
+    """One processed-data and tiny-processor cache for every run of this module (same fingerprint → reused)."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False) -> dict:
+    """train.main in-process on the tiny model and a small slice of the built-in data."""
+    args = [
+        "--config",
+        TINY,
+        f"train.output_dir={out}",
+        f"data.cache_dir={data_cache}",
+        "data.num_samples=48",
+        "data.eval_fraction=0.1",
+        "packing.max_tokens=512",
+        "kernels.mrope=unfused",  # the fused kernels run under the Triton interpreter here: ~100x slower
+        "train.max_steps=4",
+        "train.warmup_steps=2",
+        "train.eval_every=2",
+        "train.eval_batches=1",
+        "checkpoint.every_steps=2",
+        "logging.every_steps=1",
+        "logging.timing_warmup_steps=1",
+        "logging.progress_bar=false",
+        "logging.report_to=none",
+        *overrides,
+    ]
+    try:
+        return train.main(args + (["--resume"] if resume else []))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_cache) -> tuple[Path, dict]:
+    """A 4-step run with wandb in offline mode (no login), checkpoints every 2 steps and the export."""
+    out = tmp_path_factory.mktemp("run") / "full"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_DIR", str(out.parent))
+        mp.setenv("WANDB_SILENT", "true")
+        summary = run_train(out, data_cache, "logging.report_to=wandb", "checkpoint.keep_last=2")
+    return out, summary
+
+
+def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
+    """A CPU run records every contract field per step, a summary with falling loss, the resolved config, and
+    offline wandb files, without any wandb login."""
+    out, summary = finished_run
+    records = [r for r in read_metrics(out) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        assert METRIC_KEYS <= set(record)
+        assert record["tokens_per_s_per_gpu"] > 0 and 0 < record["pack_efficiency"] <= 1
+        assert record["mfu"] is None  # no peak FLOP/s on CPU without logging.peak_tflops
+    assert any("eval_loss" in r for r in read_metrics(out))
+    assert summary["steps"] == 4 and summary["loss_end"] < summary["loss_start"]
+    assert summary == json.loads((out / "summary.json").read_text())
+    assert summary["tokens_per_s_per_gpu"] > 0 and summary["timed_steps"] == 3
+    assert load_config(str(out / "config.yaml")).train.output_dir == str(out)
+    wandb_run = Path(summary["wandb_dir"])
+    assert wandb_run.is_dir() and wandb_run.name.startswith("offline-run-") and wandb_run.parent == out / "wandb"
+
+
+def test_resume_gives_the_same_losses(finished_run, data_cache, tmp_path):
+    """Stopping after step 2 and resuming with --resume reproduces steps 3-4 of the uninterrupted run exactly
+    (model, optimizer, scheduler, RNG and data position all restored)."""
+    out, _ = finished_run
+    resumed = tmp_path / "resumed"
+    shutil.copytree(out / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
+    run_train(resumed, data_cache, "checkpoint.export=false", resume=True)
+    full = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    again = [r for r in read_metrics(resumed) if "loss" in r]
+    assert [r["step"] for r in again] == [3, 4]
+    for record in again:
+        assert record["loss"] == full[record["step"]]["loss"]
+        assert record["grad_norm"] == full[record["step"]]["grad_norm"]
+        assert record["lr"] == full[record["step"]]["lr"]
+
+
+def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_fails(tmp_path):
+    """`checkpoint.resume=latest` in an empty run dir starts at step 0; a path that is no checkpoint is an error."""
+    assert checkpoint.resolve_resume("latest", tmp_path) is None
+    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
+        checkpoint.resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_export_loads_and_generates(finished_run):
+    """The export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image prompt."""
+    out, summary = finished_run
+    model = AutoModelForImageTextToText.from_pretrained(summary["export_dir"])
+    processor = AutoProcessor.from_pretrained(summary["export_dir"])
+    assert model.dtype == torch.float32  # the tiny recipe's model.dtype
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many circles?"}]}]
+    prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+    inputs = processor(text=[prompt], images=[Image.new("RGB", (112, 112), "white")], return_tensors="pt")
+    generated = model.generate(**inputs, min_new_tokens=3, max_new_tokens=3, do_sample=False)
+    assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+# ----- loss normalisation and the vision tower, on hand-made packs -----
+
+
+@pytest.fixture(scope="module")
+def tiny_module():
+    cfg = load_config(TINY)
+    model = build_model(cfg.model, seed=0)
+    enable_packed_forward(model)
+    return loop.TrainModule(model)
+
+
+def text_pack(samples: list[tuple[list[int], list[int]]]) -> dict:
+    """A text-only packed batch from (input_ids, shift_labels) samples, per docs/architecture.md."""
+    lengths = [len(ids) for ids, _ in samples]
+    ids = torch.tensor([t for s, _ in samples for t in s])[None]
+    labels = torch.tensor([t for _, s in samples for t in s])[None]
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    return {
+        "input_ids": ids,
+        "position_ids": positions.expand(4, 1, -1).clone(),
+        "shift_labels": labels,
+        "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int32),
+        "pixel_values": None,
+        "image_grid_thw": None,
+        "cu_seqlens": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32),
+        "max_seqlen": max(lengths),
+        "seq_idx": torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))[None],
+        "num_label_tokens": int((labels != -100).sum()),
+        "num_text_tokens": sum(lengths),
+        "num_image_tokens": 0,
+        "num_vision_patches": 0,
+        "sample_lengths": lengths,
+    }
+
+
+def random_sample(gen: torch.Generator, length: int, targets: int) -> tuple[list[int], list[int]]:
+    ids = torch.randint(10, 2048, (length,), generator=gen)
+    labels = torch.full((length,), -100)
+    labels[length - 1 - targets : length - 1] = ids[length - targets :]
+    return ids.tolist(), labels.tolist()
+
+
+def grads_after(module: loop.TrainModule, micro_batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+    module.zero_grad(set_to_none=True)
+    loss_sum, count = loop.accumulate_gradients(Accelerator(cpu=True), module, micro_batches)
+    AcceleratorState._reset_state(reset_partial_state=True)
+    grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    return (loss_sum / count).item(), grads
+
+
+def test_accumulation_equals_one_big_batch(tiny_module):
+    """Gradients accumulated over micro-batches with very different label counts equal the gradient of one pack
+    holding all their samples: the loss is normalised by the global label count, not averaged per micro-batch."""
+    gen = torch.Generator().manual_seed(0)
+    a = [random_sample(gen, 40, 30), random_sample(gen, 24, 2)]
+    b = [random_sample(gen, 16, 3)]
+    loss_split, grads_split = grads_after(tiny_module, [text_pack(a), text_pack(b)])
+    loss_whole, grads_whole = grads_after(tiny_module, [text_pack(a + b)])
+    assert loss_split == pytest.approx(loss_whole, rel=1e-5)
+    assert grads_split.keys() == grads_whole.keys()
+    for name, grad in grads_whole.items():
+        torch.testing.assert_close(grads_split[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_text_only_pack_runs_the_vision_tower(tiny_module):
+    """A text-only pack still sends a dummy image through the ViT and merger, so every vision parameter gets a
+    gradient (exactly zero) and DDP/FSDP collectives match across ranks; the loss is unchanged by it."""
+    gen = torch.Generator().manual_seed(1)
+    batch = text_pack([random_sample(gen, 20, 8)])
+    loss, grads = grads_after(tiny_module, [batch])
+    for part in ("vision", "merger"):
+        modules = parts.part_modules(tiny_module.model)[part]
+        for name, param in ((n, p) for m in modules for n, p in m.named_parameters()):
+            assert param.grad is not None, f"{part} parameter {name} got no gradient"
+            assert torch.count_nonzero(param.grad) == 0, name
+    logits = tiny_module.model(**tiny_module.model_inputs(batch), use_cache=False).logits
+    expected = torch.nn.functional.cross_entropy(logits[0].float(), batch["shift_labels"][0], ignore_index=-100)
+    assert loss == pytest.approx(expected.item(), rel=1e-6)
+
+
+# ----- MFU: the FLOP formula against a hand count -----
+
+
+def test_pack_flops_matches_hand_count():
+    """pack_flops on the tiny Qwen2.5-VL equals a hand count from its dimensions: 6·N per token for the LLM and
+    per patch for the ViT (merger per merged token), causal per-document attention 3·4·H·d·s(s+1)/2, and ViT
+    attention 3·4·H·d over full frames and over its 2×2-merged-token windows."""
+    cfg = load_config(TINY)
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    text, vision = cfg.model.config["text_config"], cfg.model.config["vision_config"]
+    h, inter, layers, vocab = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"], text["vocab_size"]
+    kv_width = text["num_key_value_heads"] * h // text["num_attention_heads"]
+    n_llm = layers * (2 * h * h + 2 * h * kv_width + 3 * h * inter) + vocab * h
+    vw, vi, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
+    patch_dim = 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    n_vit = vw * patch_dim + depth * (3 * vw * vw + vw * vw + 3 * vw * vi)
+    merged_dim = vw * vision["spatial_merge_size"] ** 2
+    n_merger = merged_dim * merged_dim + merged_dim * vision["out_hidden_size"]
+
+    lengths, grid = [10, 20], (1, 8, 12)  # 96 patches = 24 merged tokens in a 4x6 grid → windows of 2x2 merged
+    patches, merged = 96, 24
+    window_pairs = (2 * 2 + 2 * 2) * (2 * 2 + 2 * 2 + 2 * 2) * 2**4  # Σa² · Σb² · m⁴
+    full_layers = len(vision["fullatt_block_indexes"])
+    expected = (
+        6 * n_llm * sum(lengths)
+        + 3 * 4 * h * (10 * 11 // 2 + 20 * 21 // 2) * layers
+        + 6 * n_vit * patches
+        + 6 * n_merger * merged
+        + 3 * 4 * vw * patches**2 * full_layers
+        + 3 * 4 * vw * window_pairs * (depth - full_layers)
+    )
+    profile = metrics.FlopProfile.from_model(model)
+    assert metrics.pack_flops(profile, lengths, [grid]) == pytest.approx(expected, rel=1e-12)
+
+    parts.freeze(model, {"vision": True, "merger": True})  # frozen ViT: forward only; LLM: no weight gradients...
+    frozen = metrics.FlopProfile.from_model(model)  # ...but the LLM still trains here, so it keeps 3x
+    vit_terms = 6 * n_vit * patches + 6 * n_merger * merged
+    vit_attn = 3 * 4 * vw * (patches**2 * full_layers + window_pairs * (depth - full_layers))
+    assert metrics.pack_flops(frozen, lengths, [grid]) == pytest.approx(expected - (vit_terms + vit_attn) * 2 / 3)
+
+
+def test_peak_flops_table_and_override():
+    """The override wins; CPUs have no peak (MFU not reported)."""
+    assert metrics.peak_flops(torch.device("cpu")) is None
+    assert metrics.peak_flops(torch.device("cpu"), override_tflops=100.0) == 100e12

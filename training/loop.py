@@ -1,0 +1,396 @@
+"""The training loop: one optimizer step = `train.grad_accum_steps` micro-batches, the loss normalised by the global
+count of label tokens, no host sync inside a step, metrics synced once per log interval.
+
+`TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
+micro-step and every rank runs the vision tower every step (a text-only pack sends a dummy image through it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from accelerate import Accelerator
+from torch import nn
+from tqdm.auto import tqdm
+
+from training import metrics, packed
+from training.checkpoint import Checkpointer
+from training.config import Config
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100
+PADDED_MODEL_KEYS = (
+    "input_ids",
+    "attention_mask",
+    "position_ids",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+)
+
+
+def mixed_precision(dtype: str) -> str:
+    """accelerate's `mixed_precision` for `model.dtype`: weights stay fp32 (the optimizer's master copy), matmuls
+    run in the recipe dtype under autocast."""
+    return {"bfloat16": "bf16", "float16": "fp16", "float32": "no"}[dtype]
+
+
+def _tensor_sum(value: Any) -> torch.Tensor | None:
+    """Sum of every floating tensor in a (nested) model output; None when there is none."""
+    if isinstance(value, torch.Tensor):
+        return value.float().sum() if value.is_floating_point() else None
+    if isinstance(value, dict) or hasattr(value, "to_tuple"):
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        sums = [s for s in (_tensor_sum(v) for v in value) if s is not None]
+        return torch.stack(sums).sum() if sums else None
+    return None
+
+
+class TrainModule(nn.Module):
+    """HF model + summed cross-entropy in one forward.
+
+    forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), computed from the model's logits
+    (1, T, V) (or (B, S, V) padded) and `shift_labels` with sum reduction — one fp32 copy of the logits, no HF
+    loss. The caller divides by the global label count.
+    """
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+        # FSDP2 auto-wrapping reads the layer classes to shard from the root module.
+        self._no_split_modules = getattr(model, "_no_split_modules", None)
+        vision = model.config.vision_config
+        merge = vision.spatial_merge_size
+        patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
+        # The smallest valid image: one temporal step, merge x merge patches → one merged token.
+        self.register_buffer("dummy_pixels", torch.zeros(merge * merge, patch_dim), persistent=False)
+        self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
+
+    def model_inputs(self, batch: dict) -> dict:
+        if "cu_seqlens" in batch:
+            return packed.packed_model_inputs(self.model, batch)
+        return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+        loss_sum = F.cross_entropy(
+            logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+        if batch.get("pixel_values") is None:
+            # Text-only pack: the vision tower still runs (on a dummy image, contributing exactly 0), so every
+            # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient.
+            visual = self.model.model.visual
+            out = visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid)
+            loss_sum = loss_sum + 0.0 * _tensor_sum(out)
+        return loss_sum
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    """Tensors to `device`; Python values (counts, lengths) stay on the host. On CUDA the copy goes through pinned
+    memory, so it is asynchronous and the host can prepare the next step while the GPU works."""
+    if device.type != "cuda":
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def accumulate_gradients(
+    accelerator: Accelerator, module: nn.Module, micro_batches: list[dict]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward + backward of one optimizer step's micro-batches (already on the device).
+
+    The loss of micro-batch j is Σ_j CE / N, N = label tokens over all micro-batches of all ranks, so the
+    accumulated gradient is exactly the gradient of the mean token loss of the global batch, however tokens are
+    spread over micro-batches and ranks. N is summed on the host per rank (Python ints from the collator) and
+    all-reduced once as a device tensor: no host sync. DDP/FSDP average gradients over ranks, so the loss is
+    multiplied by the world size to turn that average back into the sum.
+    Returns (summed CE over this rank's micro-batches, this rank's label count) as detached device scalars.
+    """
+    local_count = torch.tensor(float(sum(b["num_label_tokens"] for b in micro_batches)), device=accelerator.device)
+    global_count = (
+        accelerator.reduce(local_count.clone(), reduction="sum") if accelerator.num_processes > 1 else local_count
+    )
+    scale = accelerator.num_processes / global_count.clamp(min=1.0)
+    loss_total = torch.zeros((), device=accelerator.device)
+    for j, batch in enumerate(micro_batches):
+        last = j == len(micro_batches) - 1
+        with contextlib.nullcontext() if last else accelerator.no_sync(module):
+            loss_sum = module(batch)
+            accelerator.backward(loss_sum * scale)
+        loss_total += loss_sum.detach()
+    return loss_total, local_count
+
+
+@torch.no_grad()
+def evaluate(accelerator: Accelerator, module: nn.Module, loader, max_batches: int, start_state: dict) -> float:
+    """Mean token loss over the first `max_batches` held-out batches of every rank (one sync at the end); the
+    loader is rewound to `start_state` first, so every evaluation sees the same batches."""
+    loader.load_state_dict(start_state)
+    module.eval()
+    sums = torch.zeros(2, device=accelerator.device)
+    for i, batch in enumerate(loader):
+        if i >= max_batches:
+            break
+        sums[0] += module(to_device(batch, accelerator.device))
+        sums[1] += batch["num_label_tokens"]
+    module.train()
+    sums = accelerator.reduce(sums, reduction="sum")
+    return (sums[0] / sums[1].clamp(min=1.0)).item()
+
+
+class _Stopwatch:
+    """Wall time of device work, excluding pauses (eval, checkpoints); reading it syncs the device first."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.elapsed = 0.0
+        self._start: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def running(self) -> bool:
+        return self._start is not None
+
+    def start(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        if self._start is not None:
+            self.elapsed += time.perf_counter() - self._start
+        self._start = None
+        return self.elapsed
+
+
+@dataclass
+class RunResult:
+    """What `train` hands back to train.py for the summary."""
+
+    steps: int
+    logged: list[dict] = field(default_factory=list)
+    eval_loss: float | None = None
+    timed_steps: int = 0  # steps after `logging.timing_warmup_steps`, the ones the means below cover
+    tokens_per_s_per_gpu: float | None = None
+    mfu: float | None = None
+
+
+def _batches(loader) -> Iterator[dict]:
+    """Endless iteration over the train loader (it advances its own epoch and keeps its position for resume)."""
+    while True:
+        yield from loader
+
+
+def train(
+    cfg: Config,
+    accelerator: Accelerator,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    train_loader,
+    eval_loader,
+    flop_profile: metrics.FlopProfile,
+    checkpointer: Checkpointer,
+    run_dir: Path,
+    start_step: int = 0,
+) -> RunResult:
+    """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way."""
+    tcfg, lcfg = cfg.train, cfg.logging
+    device = accelerator.device
+    world = accelerator.num_processes
+    peak = metrics.peak_flops(device, lcfg.peak_tflops)
+    budget_of = (
+        (lambda b: cfg.packing.max_tokens) if cfg.packing.mode == "packed" else (lambda b: b["input_ids"].numel())
+    )
+    params = [p for p in module.parameters() if p.requires_grad]
+    metrics_file = run_dir / "metrics.jsonl"
+    eval_start = eval_loader.state_dict() if eval_loader is not None else None
+    result = RunResult(steps=start_step)
+
+    counts = metrics.IntervalCounts()
+    loss_acc = torch.zeros((), device=device)
+    labels_acc = torch.zeros((), device=device)
+    grad_norm_acc = torch.zeros((), device=device)
+    interval_clock, timed_clock = _Stopwatch(device), _Stopwatch(device)
+    timed_counts = metrics.IntervalCounts()
+    interval_clock.start()
+    if start_step >= lcfg.timing_warmup_steps:
+        timed_clock.start()
+
+    bar = tqdm(
+        total=tcfg.max_steps,
+        initial=start_step,
+        desc="train",
+        unit="step",
+        disable=not (accelerator.is_main_process and lcfg.progress_bar),
+        dynamic_ncols=True,
+    )
+    batches = _batches(train_loader)
+    module.train()
+    for step in range(start_step + 1, tcfg.max_steps + 1):
+        host_batches = [next(batches) for _ in range(tcfg.grad_accum_steps)]
+        for b in host_batches:
+            flops = metrics.pack_flops(flop_profile, b["sample_lengths"], _grids(b))
+            counts.add_batch(b, budget_of(b), flops)
+            if timed_clock.running:
+                timed_counts.add_batch(b, budget_of(b), flops)
+        micro = [to_device(b, device) for b in host_batches]
+        loss_sum, label_count = accumulate_gradients(accelerator, module, micro)
+        grad_norm = accelerator.clip_grad_norm_(params, tcfg.max_grad_norm if tcfg.max_grad_norm > 0 else math.inf)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_acc += loss_sum
+        labels_acc += label_count
+        grad_norm_acc += grad_norm.detach().float()
+        counts.steps += 1
+        timed_counts.steps += timed_clock.running
+        bar.update(1)
+
+        if step == lcfg.timing_warmup_steps:
+            timed_clock.start()  # warm-up (allocator growth, autotuning, compilation) is excluded from the summary
+        if step % lcfg.every_steps == 0 or step == tcfg.max_steps:
+            record = _log_interval(
+                accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
+            )
+            record.update(step=step, lr=scheduler.get_last_lr()[0])
+            result.logged.append(record)
+            _emit(accelerator, record, metrics_file, bar)
+            counts = metrics.IntervalCounts()
+            loss_acc.zero_()
+            labels_acc.zero_()
+            grad_norm_acc.zero_()
+            interval_clock.elapsed = 0.0
+        pause = (tcfg.eval_every and step % tcfg.eval_every == 0) or (
+            cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
+        )
+        if pause:
+            interval_clock.stop()
+            timed_running = timed_clock.running
+            timed_clock.stop()
+            if tcfg.eval_every and step % tcfg.eval_every == 0 and eval_loader is not None:
+                result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+                _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
+            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps:
+                checkpointer.save(step, train_loader.state_dict())
+            interval_clock.start()
+            if timed_running:
+                timed_clock.start()
+        result.steps = step
+    bar.close()
+
+    seconds = timed_clock.stop()
+    totals = torch.tensor([timed_counts.tokens, timed_counts.flops], dtype=torch.float64, device=device)
+    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
+    result.timed_steps = timed_counts.steps
+    if timed_counts.steps:
+        result.tokens_per_s_per_gpu = tokens / (seconds * world)
+        result.mfu = None if peak is None else flops / (seconds * world) / peak
+    if eval_loader is not None and tcfg.eval_every and result.steps % tcfg.eval_every:
+        result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+        _emit(accelerator, {"step": result.steps, "eval_loss": result.eval_loss}, metrics_file, bar)
+    if cfg.checkpoint.save_final:
+        checkpointer.save(result.steps, train_loader.state_dict())
+    return result
+
+
+def _grids(batch: dict) -> list[tuple[int, int, int]]:
+    grid = batch.get("image_grid_thw")
+    return [] if grid is None else [tuple(row) for row in grid.tolist()]  # host tensor from the collator
+
+
+def _log_interval(
+    accelerator: Accelerator,
+    counts: metrics.IntervalCounts,
+    loss_acc: torch.Tensor,
+    labels_acc: torch.Tensor,
+    grad_norm_acc: torch.Tensor,
+    clock: _Stopwatch,
+    world: int,
+    peak: float | None,
+) -> dict:
+    """Reduce the interval's device and host counters over ranks in one all-reduce and one host read."""
+    elapsed = clock.stop()
+    host = torch.tensor(
+        [
+            counts.tokens,
+            counts.text_tokens,
+            counts.image_tokens,
+            counts.vision_patches,
+            counts.budget_tokens,
+            counts.flops,
+        ],
+        dtype=torch.float64,
+    )
+    packed_stats = torch.cat([torch.stack([loss_acc, labels_acc, grad_norm_acc]).double(), host.to(accelerator.device)])
+    values = accelerator.reduce(packed_stats, reduction="sum").tolist()  # the one sync of the interval
+    loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops = values
+    summed = metrics.IntervalCounts(counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops)
+    peak_mem = (
+        torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
+    )
+    record = {
+        "loss": loss_sum / max(labels, 1.0),
+        "grad_norm": grad_norm_sum / (world * max(counts.steps, 1)),
+        **metrics.interval_metrics(summed, elapsed, world, peak, peak_mem),
+    }
+    clock.start()
+    return record
+
+
+def _emit(accelerator: Accelerator, record: dict, metrics_file: Path, bar: tqdm) -> None:
+    """Write one record to metrics.jsonl and the trackers (main process) and refresh the progress bar."""
+    if not accelerator.is_main_process:
+        return
+    with metrics_file.open("a") as f:
+        f.write(json.dumps(record) + "\n")
+    accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+    if "loss" in record:
+        bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s_per_gpu']:.0f}", refresh=False)
+    log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+
+def summarize(
+    accelerator: Accelerator,
+    result: RunResult,
+    run_dir: Path,
+    wandb_dir: Path | None,
+    export_dir: Path | None,
+    fused_rope: bool,
+) -> dict:
+    """Write `<run dir>/summary.json` (main process) and return it: losses, mean rates after warm-up, places."""
+    losses = [r["loss"] for r in result.logged if "loss" in r]
+    peaks = [r["peak_mem_gib"] for r in result.logged if r.get("peak_mem_gib") is not None]
+    summary = {
+        "steps": result.steps,
+        "loss_start": losses[0] if losses else None,
+        "loss_end": losses[-1] if losses else None,
+        "eval_loss": result.eval_loss,
+        "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
+        "mfu": result.mfu,
+        "timed_steps": result.timed_steps,
+        "peak_mem_gib": max(peaks) if peaks else None,
+        "num_processes": accelerator.num_processes,
+        "fused_rope": fused_rope,
+        "run_dir": str(run_dir),
+        "wandb_dir": None if wandb_dir is None else str(wandb_dir),
+        "export_dir": None if export_dir is None else str(export_dir),
+    }
+    if accelerator.is_main_process:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

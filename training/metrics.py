@@ -1,0 +1,217 @@
+"""Training FLOPs per pack (for MFU), the device's peak FLOP/s, and the per-log-interval throughput meter.
+
+The FLOP count is written once, in `pack_flops`; `FlopProfile.from_model` reads the numbers it needs from the model
+once at start-up. Everything per step is host arithmetic on Python ints the collator already computed, so counting
+never syncs with the device.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from training import parts
+
+# Dense bf16 peak (no sparsity) per device name fragment, in FLOP/s; first match wins.
+PEAK_BF16_FLOPS = (
+    ("H200", 989e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+)
+
+
+def peak_flops(device: torch.device, override_tflops: float | None = None) -> float | None:
+    """Peak dense bf16 FLOP/s of `device`: the override (in TFLOP/s) when given, else the table; None when unknown
+    (CPU or an unlisted GPU), in which case MFU is not reported."""
+    if override_tflops is not None:
+        return override_tflops * 1e12
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for fragment, flops in PEAK_BF16_FLOPS if fragment in name), None)
+
+
+# Attention backward is 2× its forward (dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀ·Q: four matmuls against QKᵀ
+# and PV), so forward + backward = 3× forward whenever gradients flow through it — always, for the LLM.
+ATTENTION_TRAIN_FACTOR = 3
+
+
+def _train_factor(trains: bool, grads_flow_through: bool) -> int:
+    """Matmul passes per forward FLOP: 1 forward + 1 input-gradient (if gradients flow) + 1 weight-gradient."""
+    return 1 + int(trains or grads_flow_through) + int(trains)
+
+
+def _matmul_params(module: nn.Module, moe_active_fraction: float = 1.0) -> int:
+    """Weights that multiply every token once: parameters with ndim >= 2 outside embedding tables (lookups, not
+    matmuls). Fused MoE expert banks (names containing 'experts') count only the routed fraction top_k / n_experts."""
+    lookup = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
+    total = 0.0
+    for name, param in module.named_parameters():
+        if param.ndim < 2 or id(param) in lookup:
+            continue
+        total += param.numel() * (moe_active_fraction if "experts" in name.split(".") else 1.0)
+    return round(total)
+
+
+@dataclass(frozen=True)
+class FlopProfile:
+    """The per-token and per-document constants of one model, read once (see `pack_flops` for how they're used)."""
+
+    llm_matmul_params: int  # active LLM weights per token, lm_head included, embeddings excluded
+    llm_attn_layers: int  # softmax-attention decoder layers
+    llm_attn_width: int  # num_attention_heads * head_dim
+    llm_linear_layers: int  # Gated DeltaNet layers (Qwen3.5)
+    llm_linear_state: int  # value heads * key head dim * value head dim of one Gated DeltaNet layer
+    vit_matmul_params: int  # patch embedding + blocks, per patch
+    merger_matmul_params: int  # merger(s), per merged token
+    vit_full_layers: int  # ViT blocks attending over a whole frame
+    vit_window_layers: int  # ViT blocks attending within windows (Qwen2.5-VL)
+    vit_attn_width: int  # ViT heads * head_dim
+    spatial_merge_size: int
+    window_merged: int  # window side in merged tokens (0 = no window attention)
+    llm_factor: int
+    vit_factor: int
+    vit_attn_factor: int
+    merger_factor: int
+
+    @classmethod
+    def from_model(cls, model: nn.Module) -> FlopProfile:
+        """Read the constants from a *ForConditionalGeneration model; trainable parts come from requires_grad."""
+        config = model.config
+        text, vision = config.text_config, config.vision_config
+        vision_tower, mergers, language_model = (
+            parts.vision_parts(model),
+            parts.merger_parts(model),
+            parts.llm_parts(model),
+        )
+        moe_fraction = 1.0
+        if getattr(text, "num_experts", None):
+            moe_fraction = text.num_experts_per_tok / text.num_experts
+        layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        vit_width = vision.embed_dim if config.model_type == "qwen2_vl" else vision.hidden_size
+        depth = vision.depth
+        window_layers = 0
+        window_merged = 0
+        if config.model_type == "qwen2_5_vl":
+            window_layers = depth - len(vision.fullatt_block_indexes)
+            window_merged = vision.window_size // vision.spatial_merge_size // vision.patch_size
+
+        def trains(modules: Iterable[nn.Module]) -> bool:
+            return any(p.requires_grad for m in modules for p in m.parameters())
+
+        vit_trains, merger_trains, llm_trains = trains(vision_tower), trains(mergers), trains(language_model)
+        llm_params = sum(_matmul_params(m, moe_fraction) for m in language_model)
+        return cls(
+            llm_matmul_params=llm_params,
+            llm_attn_layers=sum(t == "full_attention" for t in layer_types),
+            llm_attn_width=text.num_attention_heads * head_dim,
+            llm_linear_layers=sum(t == "linear_attention" for t in layer_types),
+            llm_linear_state=(
+                getattr(text, "linear_num_value_heads", 0)
+                * getattr(text, "linear_key_head_dim", 0)
+                * getattr(text, "linear_value_head_dim", 0)
+            ),
+            vit_matmul_params=sum(_matmul_params(m) for m in vision_tower),
+            merger_matmul_params=sum(_matmul_params(m) for m in mergers),
+            vit_full_layers=depth - window_layers,
+            vit_window_layers=window_layers,
+            vit_attn_width=vit_width,
+            spatial_merge_size=vision.spatial_merge_size,
+            window_merged=window_merged,
+            llm_factor=_train_factor(llm_trains, vit_trains or merger_trains),
+            vit_factor=_train_factor(vit_trains, False),
+            vit_attn_factor=ATTENTION_TRAIN_FACTOR if vit_trains else 1,
+            merger_factor=_train_factor(merger_trains, vit_trains),
+        )
+
+
+def _window_square_sum(side: int, window: int) -> int:
+    """Σ over the windows along one axis of (window length)²: full windows of `window`, then the remainder."""
+    full, rest = divmod(side, window)
+    return full * window * window + rest * rest
+
+
+def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids: Sequence[Sequence[int]]) -> float:
+    """Training FLOPs of one pack: forward + backward of the LLM over its samples and of the ViT over its images.
+
+    sample_lengths: sᵢ, the token count of each sample in the pack (text and image placeholder tokens).
+    image_grids: (t, h, w) in patches for each image/video in the pack.
+
+    Derivation (a multiply-add is 2 FLOPs; backward costs 2× forward when weights train — one matmul for the input
+    gradient, one for the weight gradient — 1× when only gradients flow through, 0× when nothing upstream trains;
+    that multiplier + 1 is the `*_factor`; attention and the delta rule have no weights, their backward is 2× forward):
+      * Dense layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
+        `llm_matmul_params` (lm_head included; MoE experts scaled by top_k/n_experts). LLM: 2·N·Σsᵢ·factor.
+      * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair, and a
+        causal sample of length s has s(s+1)/2 such pairs, so forward = 4·H·d·s(s+1)/2 — per document, never T²,
+        because packed samples do not attend to each other. Backward of attention is 2× forward (×3 in total).
+      * Gated DeltaNet (Qwen3.5 linear layers), per token and layer: state read Sᵀk, rank-1 update and output Sᵀq,
+        each 2·Hv·dk·dv → 6·Hv·dk·dv forward (the recurrent form's work; chunked kernels trade more FLOPs for speed).
+      * ViT: patch embedding + blocks multiply each of the P = Σ t·h·w patches (2·N_vit·P); the merger(s) run on
+        P/m² merged tokens (2·N_merger·P/m²). Attention is bidirectional within a frame (s = h·w patches, t frames):
+        forward 4·H·d·s² per layer; Qwen2.5-VL's window layers attend within windows of w×w merged tokens, i.e.
+        per frame Σ_windows (a·b·m²)² = m⁴·(Σ_a a²)(Σ_b b²) over the window side lengths a (rows), b (columns).
+    """
+    p = profile
+    tokens = sum(sample_lengths)
+    causal_pairs = sum(s * (s + 1) // 2 for s in sample_lengths)
+    flops = 2.0 * p.llm_matmul_params * tokens * p.llm_factor
+    flops += 4.0 * p.llm_attn_width * causal_pairs * p.llm_attn_layers * ATTENTION_TRAIN_FACTOR
+    flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * ATTENTION_TRAIN_FACTOR
+
+    m = p.spatial_merge_size
+    for t, h, w in image_grids:
+        patches = t * h * w
+        flops += 2.0 * p.vit_matmul_params * patches * p.vit_factor
+        flops += 2.0 * p.merger_matmul_params * (patches // (m * m)) * p.merger_factor
+        full_pairs = t * (h * w) ** 2
+        flops += 4.0 * p.vit_attn_width * full_pairs * p.vit_full_layers * p.vit_attn_factor
+        if p.vit_window_layers:
+            rows = _window_square_sum(h // m, p.window_merged)
+            cols = _window_square_sum(w // m, p.window_merged)
+            window_pairs = t * m**4 * rows * cols
+            flops += 4.0 * p.vit_attn_width * window_pairs * p.vit_window_layers * p.vit_attn_factor
+    return flops
+
+
+@dataclass
+class IntervalCounts:
+    """Host-side counts of one log interval (Python ints/floats from the collator: no device sync to gather)."""
+
+    steps: int = 0
+    tokens: int = 0  # real (non-pad) LLM tokens
+    text_tokens: int = 0
+    image_tokens: int = 0
+    vision_patches: int = 0
+    budget_tokens: int = 0  # packs x token budget: the denominator of pack efficiency
+    flops: float = 0.0
+
+    def add_batch(self, batch: dict, budget: int, flops: float) -> None:
+        self.tokens += batch["num_text_tokens"] + batch["num_image_tokens"]
+        self.text_tokens += batch["num_text_tokens"]
+        self.image_tokens += batch["num_image_tokens"]
+        self.vision_patches += batch["num_vision_patches"]
+        self.budget_tokens += budget
+        self.flops += flops
+
+
+def interval_metrics(
+    counts: IntervalCounts, elapsed_s: float, world_size: int, peak: float | None, peak_mem_gib: float
+) -> dict[str, float | None]:
+    """Per-GPU rates of one log interval; `counts` are summed over ranks, `elapsed_s` is wall time since the last
+    log (after a device sync, so it covers the interval's whole device work)."""
+    per_gpu_s = max(elapsed_s, 1e-9) * world_size
+    return {
+        "tokens_per_s_per_gpu": counts.tokens / per_gpu_s,
+        "text_tokens_per_s": counts.text_tokens / per_gpu_s,
+        "vision_tokens_per_s": counts.vision_patches / per_gpu_s,
+        "step_time_s": elapsed_s / max(counts.steps, 1),
+        "mfu": None if peak is None else counts.flops / per_gpu_s / peak,
+        "pack_efficiency": counts.tokens / counts.budget_tokens if counts.budget_tokens else math.nan,
+        "peak_mem_gib": peak_mem_gib,
+    }

@@ -1,0 +1,289 @@
+"""Packed (THD) forward: every sample of a pack sees exactly what it would see alone.
+
+Mechanism (the same on transformers 5.17 and 5.23):
+
+- Text attention. `packed_model_inputs` adds one keyword, `packed_seqlens` (a `PackedSeqlens`: the collator's
+  `cu_seqlens` on the model's device, `max_seqlen` and the sample lengths as Python ints). The model forwards
+  unknown keywords unchanged down to every decoder layer and into the attention function, and gradient
+  checkpointing replays them, so the boundaries computed once per batch by the collator reach every layer with no
+  per-layer derivation and no device sync. The name `packed_seqlens` collides with nothing transformers reads,
+  unlike the top-level `cu_seq_lens_*` keywords 5.17 leaks into the vision encoder.
+- Vision attention. The tower derives its own per-image (and, for Qwen2.5-VL, per-window) boundaries from
+  `image_grid_thw` once per forward. Our implementation name contains "flash", so each vision block makes one
+  call with them (`cu_seq_lens_q`, `max_length_q`) instead of one call per image; the attention function uses
+  those and ignores the text pack.
+- Mask. The registered mask function is sdpa's, and a forward pre-hook drops row 0 (text positions) of packed
+  `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None.
+  Without the hook (packing not enabled) row 0 stays, so a plain sdpa model still masks the pack correctly.
+- Padded batches (no `packed_seqlens`) go through transformers' own sdpa with its padding mask: one model serves
+  the packed run and the padded baseline.
+- Qwen3.5 Gated DeltaNet layers: see training/gated_delta.py.
+
+Kernels: CUDA bf16/fp16 → flash-attn's varlen function when importable, else `torch.nn.attention.varlen.varlen_attn`
+(causal through `window_size=(-1, 0)`); otherwise (CPU, fp32) one SDPA call per segment, split by the host-side
+lengths.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from training import gated_delta
+
+PACKED_ATTENTION = "packed_flash_varlen"
+"""Registry name of the packed attention. It contains "flash" so vision blocks make one varlen call per layer;
+transformers refuses unknown "flash" names at load time, so `enable_packed_forward` sets it after loading."""
+
+PACK_KWARG = "packed_seqlens"
+
+_VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+
+@dataclass(frozen=True)
+class PackedSeqlens:
+    """Sample boundaries of one pack, computed once per batch on the host.
+
+    cu_seqlens: int32 (n+1,) on the model's device: 0, s₀, s₀+s₁, …, T.
+    max_seqlen: longest sample, a Python int so no kernel syncs to read it.
+    sample_lengths: (s₀, …, sₙ₋₁) as Python ints, for per-segment paths that split on the host.
+    """
+
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    sample_lengths: tuple[int, ...]
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.sample_lengths)
+
+
+def _varlen_attn_takes_gqa() -> bool:
+    from torch.nn.attention.varlen import varlen_attn
+
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def _varlen_kernel(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """One varlen call on the GPU. q (T,H,D), k/v (T,Hkv,D) bf16/fp16 → (T,H,D)."""
+    cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32, non_blocking=True)
+    if _HAS_FLASH_ATTN:
+        from flash_attn import flash_attn_varlen_func
+
+        return flash_attn_varlen_func(
+            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=causal
+        )
+    from torch.nn.attention.varlen import varlen_attn
+
+    window = (-1, 0) if causal else (-1, -1)
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1 and not _varlen_attn_takes_gqa():
+        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
+        groups = 1
+    extra = {"enable_gqa": True} if groups > 1 else {}
+    return varlen_attn(
+        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=window, **extra
+    )
+
+
+def _per_segment_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    lengths: list[int] | tuple[int, ...],
+    scaling: float,
+    causal: bool,
+) -> torch.Tensor:
+    """One SDPA call per segment. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D)."""
+    gqa = query.shape[1] != key.shape[1]
+    outputs = [
+        F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scaling, enable_gqa=gqa)
+        for q, k, v in zip(*(t.split(list(lengths), dim=2) for t in (query, key, value)))
+    ]
+    return torch.cat(outputs, dim=2)[0].transpose(0, 1)
+
+
+def packed_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention-registry entry: per-sample attention inside a pack.
+
+    query (1,H,T,D), key/value (1,Hkv,T,D) (GQA heads not repeated) → (out (1,T,H,D), None).
+    Vision calls bring their own `cu_seq_lens_q`/`max_length_q` and are bidirectional; text calls read the pack's
+    `packed_seqlens` and are causal; calls with neither (padded batches) are transformers' sdpa.
+    """
+    pack: PackedSeqlens | None = kwargs.pop(PACK_KWARG, None)
+    vision_cu_seqlens = kwargs.get("cu_seq_lens_q")
+    if vision_cu_seqlens is None and pack is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+    if dropout > 0.0:
+        raise ValueError(
+            f"{PACKED_ATTENTION} has no attention dropout; set attention_dropout to 0 in the model config."
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(f"{PACKED_ATTENTION} has no sliding-window attention; set use_sliding_window: false.")
+    if query.shape[0] != 1:
+        raise ValueError(f"a packed batch has batch size 1 (all samples in one row), got {query.shape[0]}.")
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if vision_cu_seqlens is not None:
+        causal, cu_seqlens, max_seqlen, lengths = False, vision_cu_seqlens, kwargs.get("max_length_q"), None
+    else:
+        causal, cu_seqlens, max_seqlen, lengths = True, pack.cu_seqlens, pack.max_seqlen, pack.sample_lengths
+        if pack.total_tokens != query.shape[2]:
+            raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens but the sequence has {query.shape[2]}.")
+
+    if query.is_cuda and query.dtype in _VARLEN_DTYPES:
+        if max_seqlen is None:  # only a vision tower that did not precompute it: one sync per call
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
+    else:
+        if lengths is None:  # vision boundaries are a tensor; on this (CPU or fp32) path a host copy is cheap
+            lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+        out = _per_segment_sdpa(query, key, value, lengths, scaling, causal)
+    return out.unsqueeze(0), None
+
+
+def _enter_pack(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: for a packed call, drop the text-position row so transformers builds no packed mask."""
+    position_ids = kwargs.get("position_ids")
+    is_packed = kwargs.get(PACK_KWARG) is not None
+    if is_packed and position_ids is not None and position_ids.dim() == 3 and position_ids.shape[0] == 4:
+        kwargs["position_ids"] = position_ids[1:]
+    return args, kwargs
+
+
+@dataclass
+class _PackedForwardState:
+    hook: torch.utils.hooks.RemovableHandle
+    previous_attn: dict[int, str | None]
+
+
+def _configs(model: torch.nn.Module) -> list:
+    """Every distinct config object of the model (top, text, vision and the modules' own references)."""
+    seen: dict[int, object] = {}
+    for sub in model.modules():
+        config = getattr(sub, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            seen.setdefault(id(config), config)
+    return list(seen.values())
+
+
+def register_packed_attention() -> None:
+    """Register the attention function and its mask function (sdpa's) under `PACKED_ATTENTION`. Idempotent."""
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+
+
+def enable_packed_forward(model: torch.nn.Module, gated_delta_backend: gated_delta.Backend = "auto") -> str | None:
+    """Make `model` take packed batches: registers the varlen attention, sets it on every config (text and vision),
+    installs the position pre-hook and, for Qwen3.5 families, the boundary-exact Gated DeltaNet forward.
+
+    gated_delta_backend: "auto" (fla's varlen kernels where they can train, else the torch path), "torch" or "fla".
+    Returns the Gated DeltaNet backend in use ("torch" / "fla"), None for models without such layers.
+    Raises ValueError if already enabled or when the requested Gated DeltaNet backend cannot train here (with the
+    reason and what to install), so a run fails before its first step instead of mixing samples.
+    Undo with `disable_packed_forward(model)`.
+    """
+    if getattr(model, "_packed_forward_state", None) is not None:
+        raise ValueError("packed forward is already enabled on this model.")
+    register_packed_attention()
+    backend = gated_delta.patch_gated_delta_layers(model, PACK_KWARG, gated_delta_backend)
+    configs = _configs(model)
+    previous = {id(c): c._attn_implementation for c in configs}
+    for config in configs:
+        config._attn_implementation = PACKED_ATTENTION
+    hook = model.register_forward_pre_hook(_enter_pack, with_kwargs=True)
+    model._packed_forward_state = _PackedForwardState(hook=hook, previous_attn=previous)
+    return backend
+
+
+def disable_packed_forward(model: torch.nn.Module) -> None:
+    """Undo `enable_packed_forward`: previous attention implementations, no hook, original Gated DeltaNet."""
+    state: _PackedForwardState | None = getattr(model, "_packed_forward_state", None)
+    if state is None:
+        raise ValueError("packed forward is not enabled on this model.")
+    state.hook.remove()
+    for config in _configs(model):
+        config._attn_implementation = state.previous_attn.get(id(config), config._attn_implementation)
+    gated_delta.unpatch_gated_delta_layers(model)
+    model._packed_forward_state = None
+
+
+def is_packed_forward_enabled(model: torch.nn.Module) -> bool:
+    return getattr(model, "_packed_forward_state", None) is not None
+
+
+@contextlib.contextmanager
+def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """Temporarily run every config of `model` with attention implementation `name` (e.g. "sdpa" for references)."""
+    configs = _configs(model)
+    previous = [c._attn_implementation for c in configs]
+    for config in configs:
+        config._attn_implementation = name
+    try:
+        yield
+    finally:
+        for config, old in zip(configs, previous):
+            config._attn_implementation = old
+
+
+_MODEL_KEYS = ("input_ids", "position_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+
+
+def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
+    """Keyword arguments for `model(**inputs, use_cache=False)` from a packed batch (docs/architecture.md).
+
+    batch: input_ids long (1,T), position_ids long (4,1,T), mm_token_type_ids int (1,T), pixel_values
+    (P, C·tp·p·p) or None, image_grid_thw long (n_images,3) or None, cu_seqlens int32 (n+1,), max_seqlen int,
+    sample_lengths list[int]; tensors already on the model's device except possibly cu_seqlens.
+    Returns those model keys plus `packed_seqlens`; the model returns logits (1,T,V).
+    Raises ValueError when the model was not prepared with `enable_packed_forward` (its samples would leak into
+    each other) or when the batch's boundaries disagree with its shapes.
+    """
+    if not is_packed_forward_enabled(model):
+        raise ValueError("call training.packed.enable_packed_forward(model) before feeding it packed batches.")
+    input_ids = batch["input_ids"]
+    lengths = tuple(int(s) for s in batch["sample_lengths"])
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise ValueError(f"packed input_ids must be (1, T), got {tuple(input_ids.shape)}.")
+    if sum(lengths) != input_ids.shape[1] or min(lengths, default=0) < 1:
+        raise ValueError(f"sample_lengths {lengths} must be positive and sum to T = {input_ids.shape[1]}.")
+    if tuple(batch["cu_seqlens"].shape) != (len(lengths) + 1,):
+        raise ValueError(f"cu_seqlens must have {len(lengths) + 1} entries, got {tuple(batch['cu_seqlens'].shape)}.")
+    if batch["position_ids"].shape[0] != 4:
+        raise ValueError("packed position_ids must be (4, 1, T): text row, then the per-sample mRoPE rows.")
+    inputs = {key: batch[key] for key in _MODEL_KEYS if batch.get(key) is not None}
+    inputs[PACK_KWARG] = PackedSeqlens(
+        cu_seqlens=batch["cu_seqlens"].to(device=input_ids.device, dtype=torch.int32, non_blocking=True),
+        max_seqlen=int(batch["max_seqlen"]),
+        sample_lengths=lengths,
+    )
+    return inputs

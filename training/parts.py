@@ -1,0 +1,74 @@
+"""The three trainable parts of a Qwen-VL model — vision tower, merger(s), LLM — for freezing, per-part learning
+rates, FLOP counting and gradient checkpointing.
+
+All six families share the layout `model.model.visual` (with `.merger`, and Qwen3-VL's `.deepstack_merger_list`),
+`model.model.language_model` and `model.lm_head`; anything else is refused with the layout found.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+PARTS = ("vision", "merger", "llm")
+MERGER_NAMES = ("merger", "deepstack_merger_list")
+
+
+def _inner(model: nn.Module) -> nn.Module:
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "visual") or not hasattr(inner, "language_model"):
+        raise ValueError(
+            f"{type(model).__name__} lacks model.visual / model.language_model: not a supported Qwen-VL "
+            "*ForConditionalGeneration model."
+        )
+    return inner
+
+
+def vision_parts(model: nn.Module) -> list[nn.Module]:
+    """The vision tower without its merger(s): patch embedding, position embedding, blocks."""
+    visual = _inner(model).visual
+    return [module for name, module in visual.named_children() if name not in MERGER_NAMES]
+
+
+def merger_parts(model: nn.Module) -> list[nn.Module]:
+    """The patch merger(s) that project ViT features into the LLM's width."""
+    visual = _inner(model).visual
+    return [module for name, module in visual.named_children() if name in MERGER_NAMES]
+
+
+def llm_parts(model: nn.Module) -> list[nn.Module]:
+    """The language model (embeddings, decoder layers, final norm) and the LM head."""
+    return [_inner(model).language_model, model.lm_head]
+
+
+def part_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
+    return {"vision": vision_parts(model), "merger": merger_parts(model), "llm": llm_parts(model)}
+
+
+def freeze(model: nn.Module, frozen: dict[str, bool]) -> None:
+    """Turn off gradients of the parts whose flag is true (`{"vision": True, ...}`)."""
+    for part, modules in part_modules(model).items():
+        if frozen.get(part, False):
+            for module in modules:
+                module.requires_grad_(False)
+
+
+def enable_gradient_checkpointing(model: nn.Module, llm: bool, vision: bool) -> None:
+    """Recompute activations in backward, separately for the LLM's decoder layers and the ViT's blocks.
+
+    Non-reentrant checkpointing: it needs no `enable_input_require_grads` hack when embeddings are frozen and works
+    with FSDP2 and torch.compile.
+    """
+    inner = _inner(model)
+    kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    if llm:
+        inner.language_model.gradient_checkpointing_enable(**kwargs)
+    if vision:
+        inner.visual.gradient_checkpointing_enable(**kwargs)
+
+
+def trainable_counts(model: nn.Module) -> dict[str, int]:
+    """Trainable parameter count per part (for the start-up log)."""
+    return {
+        part: sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
+        for part, modules in part_modules(model).items()
+    }
