@@ -36,7 +36,7 @@ format: install  ## apply ruff's fixes and formatting
 bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
 	$(PY) scripts/bench_mrope.py --out artifacts/bench
 
-smoke-test:  ## the main job on the built-in tiny model and synthetic data (GPU if present, else a smaller CPU run)
+smoke-test:  ## set up if needed, then train the tiny model on the built-in data (one GPU with fused rope, else a smaller CPU run) and print a summary
 	$(PY) scripts/smoke_test.py $(ARGS)
 
 inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency

@@ -163,9 +163,11 @@ class SampleProcessor:
             prompt = template(messages[:turn], tokenize=False, add_generation_prompt=True)
             through = template(messages[: turn + 1], tokenize=False)
             if not (full.startswith(through) and through.startswith(prompt) and len(prompt) >= cursor):
-                raise ValueError(
-                    "the chat template does not render conversations prefix-consistently, so assistant spans cannot "
-                    "be located; use a template whose rendering of turns 1..k is a prefix of turns 1..k+1."
+                raise SampleError(
+                    "unknown_format",
+                    f"the chat template's rendering of turns 1..{turn} is not a prefix of turns 1..{turn + 1}, so the "
+                    "assistant reply cannot be located (a conversation opening with an assistant turn, or a template "
+                    "that rewrites earlier turns)",
                 )
             end = len(through.rstrip("\n"))
             segments += [(full[cursor : len(prompt)], False), (full[len(prompt) : end], True)]

@@ -1,9 +1,12 @@
 """Public rotary ops: input validation, dispatch, autograd and `torch.library` registration.
 
-`apply_mrope` / `apply_vision_rope` validate their inputs (ValueError with the fix), then call one custom op:
-`mrope_kernels::rope` (out-of-place, autograd via `register_autograd`, fake impl for torch.compile) or
-`mrope_kernels::rope_` (in-place on q and k, wrapped in an autograd.Function that marks them dirty).
-The backward of either is the forward op with the angle negated; only positions and inv_freq are saved.
+`apply_mrope` / `apply_vision_rope` validate their inputs (ValueError saying how to fix them), then rotate:
+- out-of-place (default): under torch.compile the custom op `mrope_kernels::rope` (fake impl + `register_autograd`,
+  so `fullgraph=True` traces it); in eager mode its twin autograd.Function, which runs the same kernels without
+  the dispatcher's per-call host cost;
+- `inplace=True`: an autograd.Function that rotates lanes [0, R) of q and k in place (the mutating custom op
+  `mrope_kernels::rope_` under torch.compile) and marks them dirty.
+Every backward is the forward kernel with the angle negated (CONJUGATE); only positions and inv_freq are saved.
 
 Dispatch: CUDA tensors run the Triton kernel; CPU tensors run it under TRITON_INTERPRET=1, otherwise the
 plain-PyTorch reference (`mrope_kernels.reference`) with the same math.
@@ -19,6 +22,7 @@ from mrope_kernels import triton_rope
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_POSITION_DTYPES = (torch.int64, torch.int32)
 _NO_SECTIONS = [0, 0, 0]
 
 
@@ -208,7 +212,8 @@ def apply_mrope(
     with a contiguous last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
     inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
     attention_scaling multiplies cos and sin. Returns (q_out, k_out) in the input dtype; with inplace=True,
-    q and k themselves (only lanes [0, R) written). Differentiable in q and k.
+    q and k themselves (only lanes [0, R) written; the backward then also rotates the incoming gradient in place,
+    as flash-attention's in-place rotary does). Differentiable in q and k, not in positions or inv_freq.
     """
     sections = _check_sections(mrope_section, inv_freq)
     _check_pair(q, k, inv_freq, positions)
@@ -277,8 +282,8 @@ def _check_pair(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, positi
             f"inv_freq must be a 1-D float32 tensor, got {inv_freq.dtype} {tuple(inv_freq.shape)}: pass the rotary "
             "module's inv_freq buffer (fp32), not a cast copy"
         )
-    if positions.dtype.is_floating_point or positions.dtype.is_complex or positions.dtype == torch.bool:
-        raise ValueError(f"positions must be an integer tensor (torch.long or int32), got {positions.dtype}")
+    if positions.dtype not in _POSITION_DTYPES:
+        raise ValueError(f"positions must be an integer tensor (torch.long or torch.int32), got {positions.dtype}")
     if not (q.device == k.device == positions.device == inv_freq.device):
         devices = [str(t.device) for t in (q, k, positions, inv_freq)]
         raise ValueError(f"q, k, positions and inv_freq must be on one device, got {devices} (in that order)")

@@ -25,8 +25,9 @@ LAYOUT_VISION = 2  # ViT 2-D: lanes [0,R/4) row, [R/4,R/2) column; the frequency
 # The interpreter runs on CPU tensors with numpy and knows nothing of libdevice; triton decides this at import time.
 RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# Elements per (tokens × heads × half-lanes) tile. Measured on H200 at 16k tokens: one token per program with
-# all heads (1024 half-lane elements, 2 warps) sits within a few % of the copy floor; larger tiles did not help.
+# Elements per (tokens × heads × half-lanes) tile. Swept on an H200 at 16k tokens (BLOCK_T 1-16, 2-8 warps): one
+# token per program with all heads (1024 half-lane elements, 2 warps) was fastest in four of the five anchor cases,
+# 3-7% over the copy floor for three of them (docs/benchmarks.md); larger tiles were 5-30% slower.
 _TILE_ELEMENTS = 1024
 _MAX_HEADS_PER_TILE = 16
 _MAX_ALIGN = 16  # element alignment hint cap (16 bf16 = 32 B, two 128-bit vectors)

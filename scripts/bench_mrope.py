@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mrope_kernels import apply_mrope, apply_vision_rope, triton_rope
-from mrope_kernels.ops import _rotate_in_place
+from mrope_kernels.ops import _rotate_in_place, _rotated
 
 
 @dataclass(frozen=True)
@@ -73,27 +73,8 @@ def hf_cos_sin(case: Case, positions: torch.Tensor, inv_freq: torch.Tensor, dtyp
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def graph_ms(fn) -> float:
-    """Device time of fn without host overhead: capture it in a CUDA graph and time the replays (nan when the
-    implementation cannot be captured)."""
-    try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(3):
-                fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return bench_ms(graph.replay)
-    except Exception as exc:  # not every third-party implementation is capturable
-        print(f"graph capture failed: {exc!r}"[:300], file=sys.stderr)
-        return math.nan
-
-
-def fwd_and_fwdbwd(fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> tuple[float, float, float]:
-    """(fwd, fwd+bwd, fwd+bwd replayed from a CUDA graph) in ms."""
+def fwd_and_fwdbwd(fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> tuple[float, float]:
+    """(fwd, fwd+bwd) in ms; fwd+bwd through the autograd engine."""
     with torch.no_grad():
         t_fwd = bench_ms(lambda: fn(*inputs))
 
@@ -101,7 +82,7 @@ def fwd_and_fwdbwd(fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> tupl
         outs = fn(*inputs)
         torch.autograd.grad(outs, inputs, grads)
 
-    return t_fwd, bench_ms(fwd_bwd), graph_ms(fwd_bwd)
+    return t_fwd, bench_ms(fwd_bwd)
 
 
 def run_case(case: Case, n_tokens: int, rows: list[dict], sweep: bool) -> None:
@@ -149,20 +130,41 @@ def run_case(case: Case, n_tokens: int, rows: list[dict], sweep: bool) -> None:
         impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), (q, k), grads)
     for impl, (fn, inputs, impl_grads) in impls.items():
         try:
-            t_fwd, t_fb, t_graph = fwd_and_fwdbwd(fn, inputs, impl_grads)
+            t_fwd, t_fb = fwd_and_fwdbwd(fn, inputs, impl_grads)
         except Exception as exc:  # a third-party implementation failing is a row, not a crash
             print(f"{case.name} {impl} FAILED: {exc!r}"[:400], file=sys.stderr)
-            t_fwd = t_fb = t_graph = math.nan
-        rows.append(_row(case.name, impl, t_fwd, t_fb, moved_bytes, t_graph))
+            t_fwd = t_fb = math.nan
+        rows.append(_row(case.name, impl, t_fwd, t_fb, moved_bytes))
+    kernel_positions = positions if vision else packed_positions
+    rows.append(_kernels_only_row(case, ours_q, ours_k, kernel_positions, inv_freq, moved_bytes))
     with torch.no_grad():
         q_dense, k_dense = q.detach().contiguous(), k.detach().contiguous()
         t_copy = bench_ms(lambda: (q_dense.clone(), k_dense.clone()))
-    rows.append(_row(case.name, "copy_floor", t_copy, 2 * t_copy, moved_bytes, 2 * t_copy))
+    rows.append(_row(case.name, "copy_floor", t_copy, 2 * t_copy, moved_bytes))
 
     if not vision and case.rotary_dim < case.head_dim:
         _inplace_rows(case, ours_q, ours_k, packed_positions, inv_freq, rows)
     if sweep:
-        _sweep(case, ours_q, ours_k, positions if vision else packed_positions, inv_freq, rows)
+        _sweep(case, ours_q, ours_k, kernel_positions, inv_freq, rows)
+
+
+def _layout(case: Case) -> int:
+    if case.sections is None:
+        return triton_rope.LAYOUT_VISION
+    return triton_rope.LAYOUT_INTERLEAVED if case.interleaved else triton_rope.LAYOUT_CHUNKED
+
+
+def _kernels_only_row(case: Case, q, k, positions, inv_freq, moved_bytes: int) -> dict:
+    """The device work of our fwd+bwd without the autograd engine's host round trip: exactly what
+    `_RopeFunction.forward` and `.backward` run (allocate outputs, one launch each; backward = conjugate)."""
+    layout, sections = _layout(case), list(case.sections or (0, 0, 0))
+    q, k = q.detach(), k.detach()
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    fwd = lambda: _rotated(q, k, positions, inv_freq, layout, sections, 1.0, False)
+    bwd = lambda: _rotated(grad_q, grad_k, positions, inv_freq, layout, sections, 1.0, True)
+    t_fwd = bench_ms(fwd)
+    t_fb = bench_ms(lambda: (fwd(), bwd()))
+    return _row(case.name, "ours_kernels_only", t_fwd, t_fb, moved_bytes)
 
 
 def _inplace_rows(case, q, k, positions, inv_freq, rows) -> None:
@@ -185,17 +187,13 @@ def _inplace_rows(case, q, k, positions, inv_freq, rows) -> None:
         src_q, src_k = torch.randn_like(q), torch.randn_like(k)
         t_copy = bench_ms(lambda: (q[..., :rot].copy_(src_q[..., :rot]), k[..., :rot].copy_(src_k[..., :rot])))
     name = f"{case.name} IN-PLACE"
-    t_graph = graph_ms(fwd_bwd)
-    rows.append(_row(name, "ours_inplace", t_fwd, t_fb, rotary_bytes, t_graph))
-    rows.append(_row(name, "copy_floor_rotary_lanes", t_copy, 2 * t_copy, rotary_bytes, 2 * t_copy))
+    rows.append(_row(name, "ours_inplace", t_fwd, t_fb, rotary_bytes))
+    rows.append(_row(name, "copy_floor_rotary_lanes", t_copy, 2 * t_copy, rotary_bytes))
 
 
 def _sweep(case, q, k, positions, inv_freq, rows) -> None:
     """Forward time of (BLOCK_T, num_warps) variants of the launcher, to tune the heuristic."""
-    vision = case.sections is None
-    layout = triton_rope.LAYOUT_VISION if vision else triton_rope.LAYOUT_INTERLEAVED
-    if not vision and not case.interleaved:
-        layout = triton_rope.LAYOUT_CHUNKED
+    layout = _layout(case)
     q, k = q.detach(), k.detach()
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     sections = case.sections or (0, 0, 0)
@@ -217,13 +215,12 @@ def _liger(vision: bool):
     return liger_rotary_pos_emb_vision if vision else liger_rotary_pos_emb
 
 
-def _row(case: str, impl: str, t_fwd_ms: float, t_fb_ms: float, moved_bytes: int, t_graph_ms: float) -> dict:
+def _row(case: str, impl: str, t_fwd_ms: float, t_fb_ms: float, moved_bytes: int) -> dict:
     return {
         "case": case,
         "impl": impl,
         "fwd_us": t_fwd_ms * 1e3,
         "fwdbwd_us": t_fb_ms * 1e3,
-        "fwdbwd_graph_us": t_graph_ms * 1e3,
         "fwd_tbps": moved_bytes / (t_fwd_ms * 1e-3) / 1e12,
         "fwdbwd_tbps": 2 * moved_bytes / (t_fb_ms * 1e-3) / 1e12,
     }
@@ -241,7 +238,6 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['case']:48s} {r['impl']:24s} {r['fwd_us']:8.1f} {r['fwd_us'] / floor['fwd_us']:7.2f} "
             f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_us'] / floor['fwdbwd_us']:7.2f} "
-            f"{r['fwdbwd_graph_us']:10.1f} {r['fwdbwd_graph_us'] / floor['fwdbwd_us']:7.2f} "
             f"{r['fwd_tbps']:4.2f}/{r['fwdbwd_tbps']:4.2f}"
         )
     sweep = [r for r in rows if r["impl"].startswith("sweep")]

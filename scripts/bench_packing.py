@@ -44,6 +44,7 @@ from training.packing_check import (
     synthetic_sample,
 )
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_3B = {  # Qwen2.5-VL-3B text dims, 4 layers
     "vocab_size": 151936,
     "hidden_size": 2048,
@@ -113,7 +114,7 @@ def bench_model(tiny: bool, device: str) -> torch.nn.Module:
 
 def builtin_samples(config, count: int, max_tokens: int, generator: torch.Generator) -> list[Sample]:
     """The built-in dataset's samples as the tiny Qwen2.5-VL pipeline makes them; pixels redrawn for `config`."""
-    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", [f"packing.max_tokens={max_tokens}"])
+    cfg = load_config(os.path.join(REPO, "recipes/tiny-qwen2_5_vl.yaml"), [f"packing.max_tokens={max_tokens}"])
     loader, _, _ = build_data(cfg, load_processor(cfg), config)
     patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
     merge = config.vision_config.spatial_merge_size

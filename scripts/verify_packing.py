@@ -4,6 +4,7 @@ Builds the recipe's model (tiny or a checkpoint), takes a few packs from the rec
 runs forward+backward packed (training/packed.py) and per sample (transformers' own path, positions from the model
 itself); prints max |Δ| of logits, loss and the worst parameter gradient, with unfused and fused rope. Exits 1 when
 any quantity is beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
+The recipe's packing.mode is forced to "packed"; everything else (model, dtype, data, pack budget) is the recipe's.
 
     python scripts/verify_packing.py --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
 """

@@ -303,6 +303,7 @@ def test_parallel_processing_matches_serial(tmp_path):
     """datasets.map with num_proc=2 produces the same processed samples as one process."""
     rows = {}
     for num_proc in (1, 2):
-        cfg = recipe("tiny-qwen2_5_vl", tmp_path / f"cache{num_proc}", "data.num_samples=24", f"data.num_proc={num_proc}")
+        overrides = ("data.num_samples=24", f"data.num_proc={num_proc}")
+        cfg = recipe("tiny-qwen2_5_vl", tmp_path / f"cache{num_proc}", *overrides)
         rows[num_proc] = kept_token_sets(cfg)[1]
     assert rows[1] == rows[2] and len(rows[1]) > 0

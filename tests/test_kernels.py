@@ -200,8 +200,8 @@ def test_attention_scaling_scales_cos_and_sin():
 
 
 def test_reference_matches_transformers_fp32():
-    """The plain-PyTorch reference (the CPU fallback) equals transformers in fp32 for chunked, interleaved and
-    partial rotary."""
+    """The plain-PyTorch reference (the CPU fallback) equals transformers in fp32 for chunked, interleaved,
+    partial rotary and the vision 2-D rope."""
     torch.manual_seed(2)
     for case in (TEXT_CASES[1], TEXT_CASES[2], TEXT_CASES[4]):
         rotary, apply, interleaved, q, k, positions = _text_inputs(case, torch.float32)
@@ -209,6 +209,37 @@ def test_reference_matches_transformers_fp32():
         ours = apply_mrope_reference(q, k, positions, rotary.inv_freq, case.sections, interleaved)
         assert_matches(ours[0], ref[0], f"{case.family} reference q")
         assert_matches(ours[1], ref[1], f"{case.family} reference k")
+    rotary, apply = hf_vision("qwen3_vl", 72)
+    q, k = torch.randn(11, 2, 72, device=DEVICE), torch.randn(11, 2, 72, device=DEVICE)
+    positions = torch.randint(0, 500, (11, 2), device=DEVICE)
+    cos, sin = rotary.to(DEVICE)(q, positions)
+    ref = apply(q, k, cos, sin)
+    ours = apply_vision_rope_reference(q, k, positions, rotary.inv_freq)
+    assert_matches(ours[0], ref[0], "vision reference q")
+    assert_matches(ours[1], ref[1], "vision reference k")
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the reference fallback serves CPU tensors only")
+def test_cpu_fallback_without_interpreter_matches_transformers(monkeypatch):
+    """Without TRITON_INTERPRET, CPU tensors take the reference path: same forward, gradients (conjugate via
+    negated positions) and in-place semantics as transformers / the kernels."""
+    monkeypatch.setattr(triton_rope, "RUNS_IN_INTERPRETER", False)
+    torch.manual_seed(8)
+    case = TEXT_CASES[4]
+    rotary, apply, interleaved, q, k, positions = _text_inputs(case, torch.float32)
+    q_ref, k_ref = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    ref = _hf_fp32(rotary, apply, q_ref, k_ref, positions)
+    grads = (torch.randn_like(ref[0]), torch.randn_like(ref[1]))
+    ref_grads = torch.autograd.grad(ref, (q_ref, k_ref), grads)
+    q.requires_grad_()
+    k.requires_grad_()
+    out = apply_mrope(q, k, positions, rotary.inv_freq, case.sections, interleaved)
+    out_grads = torch.autograd.grad(out, (q, k), grads)
+    for ours, theirs, what in zip((*out, *out_grads), (*ref, *ref_grads), ("q", "k", "dq", "dk")):
+        assert_matches(ours.detach(), theirs.detach(), f"fallback {what}")
+    q_inplace, k_inplace = q.detach().clone(), k.detach().clone()
+    apply_mrope(q_inplace, k_inplace, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
+    assert_matches(q_inplace, ref[0].detach(), "fallback in-place q")
 
 
 # --------------------------------------------------------------------------------------------------------------

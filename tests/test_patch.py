@@ -291,9 +291,9 @@ def test_compile_fullgraph_gpu():
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_kernel_path_fp32(family):
+def test_kernel_path_fp32_and_bf16(family):
     """With the public ops as shipped (chunked + windowed vision, interleaved, partial rotary), the patched model's
-    logits, loss and gradients match the unpatched model in fp32."""
+    logits, loss and gradients match the unpatched model in fp32, and stay within bf16 rounding in bf16."""
     model = tiny_model(family)
     batch = image_batch(model)
     expected = forward_backward(model, batch)
@@ -301,7 +301,17 @@ def test_kernel_path_fp32(family):
     patched = forward_backward(model, batch)
     unpatch_model(model)
     assert_outputs_close(patched, expected, rtol=1e-5, atol=1e-5)
-    print(f"{family} kernel path fp32 max |patched - unpatched|: {max_diff(patched, expected)}")
+
+    model16 = model.to(torch.bfloat16)
+    unpatched16 = forward_backward(model16, batch)
+    patch_model(model16)
+    patched16 = forward_backward(model16, batch)
+    unpatch_model(model16)
+    assert_bf16_within_rounding(patched16, unpatched16, expected)
+    print(
+        f"{family} kernel path max |patched - unpatched|: fp32 {max_diff(patched, expected)}, "
+        f"bf16 {max_diff(patched16, unpatched16)}"
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)

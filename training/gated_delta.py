@@ -10,11 +10,11 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
   Used only where its backward works: CUDA, and not Hopper with Triton < 3.7.1 (there fla refuses the backward and
   asks for tilelang).
 - "torch" (everywhere): the layer's own forward with every sample of the pack as its own row of a right-padded
-  batch (n, max_seqlen, hidden). Conv and delta rule are causal, so the padding after a sample never reaches its
-  tokens and each row computes exactly what the sample computes alone. transformers' own torch delta rule is
-  forced for the layers' module while this backend is on (transformers would otherwise pick fla when importable,
-  whose backward may refuse). Boundaries come from the pack's host-side lengths: no sync. Cost: the layer
-  processes n·max_seqlen tokens instead of T.
+  batch, one batch per power-of-two length class. Conv and delta rule are causal, so the padding after a sample
+  never reaches its tokens and each row computes exactly what the sample computes alone. transformers' own torch
+  delta rule is forced for the layers' module while this backend is on (transformers would otherwise pick fla
+  when importable, whose backward may refuse). Boundaries come from the pack's host-side lengths: no sync.
+  Cost: at most 2x the pack's tokens through the layer (64 at least per sample), a few batched calls per layer.
 """
 
 from __future__ import annotations
@@ -63,14 +63,26 @@ def resolve_backend(backend: Backend) -> Literal["torch", "fla"]:
     return backend
 
 
-def _segments_to_rows(hidden: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    """(1, T, C) → (n, max(lengths), C), sample i in row i, zero right padding."""
-    return torch.nn.utils.rnn.pad_sequence(list(hidden[0].split(list(lengths))), batch_first=True)
+def _length_classes(lengths: tuple[int, ...]) -> list[list[int]]:
+    """Sample indices grouped by power-of-two length class (at least one 64-token delta-rule chunk), so padding a
+    group to its longest sample at most doubles its tokens."""
+    classes: dict[int, list[int]] = {}
+    for index, length in enumerate(lengths):
+        classes.setdefault(max(64, 1 << (length - 1).bit_length()), []).append(index)
+    return list(classes.values())
 
 
-def _rows_to_segments(rows: torch.Tensor, lengths: tuple[int, ...]) -> torch.Tensor:
-    """(n, L, C) → (1, T, C): the first lengths[i] tokens of row i, concatenated."""
-    return torch.cat([row[:length] for row, length in zip(rows, lengths)]).unsqueeze(0)
+def _forward_as_rows(original, hidden_states: torch.Tensor, lengths: tuple[int, ...], **kwargs) -> torch.Tensor:
+    """Run `original` with each sample as its own row: (1, T, C) → (1, T, C). One right-padded batch per length
+    class; causal layers never let a row's padding reach its tokens."""
+    segments = hidden_states[0].split(list(lengths))
+    outputs: list[torch.Tensor | None] = [None] * len(lengths)
+    for group in _length_classes(lengths):
+        rows = torch.nn.utils.rnn.pad_sequence([segments[i] for i in group], batch_first=True)
+        out = original(rows, cache_params=None, attention_mask=None, **kwargs)
+        for row, index in enumerate(group):
+            outputs[index] = out[row, : lengths[index]]
+    return torch.cat(outputs).unsqueeze(0)
 
 
 def _fla_varlen_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
@@ -132,9 +144,7 @@ def packed_gated_delta_forward(
         return _fla_varlen_forward(module, hidden_states, pack.cu_seqlens)
     for flat_boundaries in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
         kwargs.pop(flat_boundaries, None)  # rows carry the boundaries here
-    rows = _segments_to_rows(hidden_states, pack.sample_lengths)
-    out = original(rows, cache_params=None, attention_mask=None, **kwargs)
-    return _rows_to_segments(out, pack.sample_lengths)
+    return _forward_as_rows(original, hidden_states, pack.sample_lengths, **kwargs)
 
 
 def _force_torch_delta_rule(modeling_name: str) -> None:

@@ -11,8 +11,9 @@ import contextlib
 import json
 import logging
 import math
+import queue
+import threading
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -97,13 +98,9 @@ class TrainModule(nn.Module):
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    """Tensors to `device`; Python values (counts, lengths) stay on the host. On CUDA the copy goes through pinned
-    memory, so it is asynchronous and the host can prepare the next step while the GPU works."""
-    if device.type != "cuda":
-        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return {
-        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
-    }
+    """Tensors to `device`; Python values (counts, lengths) stay on the host. Non-blocking: asynchronous from
+    pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy."""
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 def accumulate_gradients(
@@ -113,12 +110,12 @@ def accumulate_gradients(
 
     The loss of micro-batch j is Σ_j CE / N, N = label tokens over all micro-batches of all ranks, so the
     accumulated gradient is exactly the gradient of the mean token loss of the global batch, however tokens are
-    spread over micro-batches and ranks. N is summed on the host per rank (Python ints from the collator) and
-    all-reduced once as a device tensor: no host sync. DDP/FSDP average gradients over ranks, so the loss is
+    spread over micro-batches and ranks. N is counted on the device from `shift_labels` (a host-made tensor would
+    need a blocking copy) and all-reduced once: no host sync. DDP/FSDP average gradients over ranks, so the loss is
     multiplied by the world size to turn that average back into the sum.
     Returns (summed CE over this rank's micro-batches, this rank's label count) as detached device scalars.
     """
-    local_count = torch.tensor(float(sum(b["num_label_tokens"] for b in micro_batches)), device=accelerator.device)
+    local_count = sum((b["shift_labels"] != IGNORE_INDEX).sum(dtype=torch.float32) for b in micro_batches)
     global_count = (
         accelerator.reduce(local_count.clone(), reduction="sum") if accelerator.num_processes > 1 else local_count
     )
@@ -177,6 +174,24 @@ class _Stopwatch:
         self._start = None
         return self.elapsed
 
+    def lap(self) -> float:
+        """Seconds since the last lap (pauses excluded); the watch keeps running from zero."""
+        elapsed = self.stop()
+        self.elapsed = 0.0
+        self.start()
+        return elapsed
+
+
+@contextlib.contextmanager
+def _paused(*clocks: _Stopwatch):
+    """Stop the running clocks for work that is not training (eval, checkpoints) and restart them after."""
+    running = [clock for clock in clocks if clock.running]
+    for clock in running:
+        clock.stop()
+    yield
+    for clock in running:
+        clock.start()
+
 
 @dataclass
 class RunResult:
@@ -190,10 +205,59 @@ class RunResult:
     mfu: float | None = None
 
 
-def _batches(loader) -> Iterator[dict]:
-    """Endless iteration over the train loader (it advances its own epoch and keeps its position for resume)."""
-    while True:
-        yield from loader
+class Prefetcher:
+    """Collates the next batches in a background thread, so the host's image processing overlaps the GPU's work
+    (the step itself never syncs, but the launch queue is only so deep).
+
+    Hands out host batches (pinned when `pin` is set) and remembers the loader position after each one it handed
+    out: `state_dict()` is what was consumed, not what was prefetched, so a checkpoint resumes exactly.
+    """
+
+    def __init__(self, loader, depth: int = 2, pin: bool = False):
+        self.loader = loader
+        self.pin = pin
+        self._state = loader.state_dict()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for batch in self.loader:
+                    if self.pin:
+                        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                    if not self._put((batch, self.loader.state_dict(), None)):
+                        return
+        except Exception as error:  # handed to the training thread, which raises it
+            self._put((None, None, error))
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> dict:
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def train(
@@ -218,7 +282,11 @@ def train(
         (lambda b: cfg.packing.max_tokens) if cfg.packing.mode == "packed" else (lambda b: b["input_ids"].numel())
     )
     params = [p for p in module.parameters() if p.requires_grad]
+    group_names = [group.get("name", "") for group in optimizer.param_groups]
+    llm_group = group_names.index("llm") if "llm" in group_names else 0  # the logged lr is train.lr's schedule
     metrics_file = run_dir / "metrics.jsonl"
+    if start_step == 0 and accelerator.is_main_process:
+        metrics_file.unlink(missing_ok=True)  # a fresh run in an old directory starts a fresh record; resumes append
     eval_start = eval_loader.state_dict() if eval_loader is not None else None
     result = RunResult(steps=start_step)
 
@@ -228,8 +296,10 @@ def train(
     grad_norm_acc = torch.zeros((), device=device)
     interval_clock, timed_clock = _Stopwatch(device), _Stopwatch(device)
     timed_counts = metrics.IntervalCounts()
+    # The first steps of every launch (allocator growth, autotuning, compilation) are left out of the summary.
+    warmup_end = start_step + lcfg.timing_warmup_steps
     interval_clock.start()
-    if start_step >= lcfg.timing_warmup_steps:
+    if warmup_end == start_step:
         timed_clock.start()
 
     bar = tqdm(
@@ -240,7 +310,7 @@ def train(
         disable=not (accelerator.is_main_process and lcfg.progress_bar),
         dynamic_ncols=True,
     )
-    batches = _batches(train_loader)
+    batches = Prefetcher(train_loader, pin=device.type == "cuda")
     module.train()
     for step in range(start_step + 1, tcfg.max_steps + 1):
         host_batches = [next(batches) for _ in range(tcfg.grad_accum_steps)]
@@ -262,37 +332,31 @@ def train(
         timed_counts.steps += timed_clock.running
         bar.update(1)
 
-        if step == lcfg.timing_warmup_steps:
-            timed_clock.start()  # warm-up (allocator growth, autotuning, compilation) is excluded from the summary
+        if step == warmup_end:
+            timed_clock.start()
         if step % lcfg.every_steps == 0 or step == tcfg.max_steps:
             record = _log_interval(
                 accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
             )
-            record.update(step=step, lr=scheduler.get_last_lr()[0])
+            record.update(step=step, lr=scheduler.get_last_lr()[llm_group])
             result.logged.append(record)
             _emit(accelerator, record, metrics_file, bar)
             counts = metrics.IntervalCounts()
             loss_acc.zero_()
             labels_acc.zero_()
             grad_norm_acc.zero_()
-            interval_clock.elapsed = 0.0
-        pause = (tcfg.eval_every and step % tcfg.eval_every == 0) or (
-            cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
-        )
-        if pause:
-            interval_clock.stop()
-            timed_running = timed_clock.running
-            timed_clock.stop()
-            if tcfg.eval_every and step % tcfg.eval_every == 0 and eval_loader is not None:
-                result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
-                _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
-            if cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps:
-                checkpointer.save(step, train_loader.state_dict())
-            interval_clock.start()
-            if timed_running:
-                timed_clock.start()
+        do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
+        do_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
+        if do_eval or do_save:
+            with _paused(interval_clock, timed_clock):
+                if do_eval:
+                    result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+                    _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
+                if do_save:
+                    checkpointer.save(step, batches.state_dict())
         result.steps = step
     bar.close()
+    batches.close()
 
     seconds = timed_clock.stop()
     totals = torch.tensor([timed_counts.tokens, timed_counts.flops], dtype=torch.float64, device=device)
@@ -305,7 +369,7 @@ def train(
         result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
         _emit(accelerator, {"step": result.steps, "eval_loss": result.eval_loss}, metrics_file, bar)
     if cfg.checkpoint.save_final:
-        checkpointer.save(result.steps, train_loader.state_dict())
+        checkpointer.save(result.steps, batches.state_dict())
     return result
 
 
@@ -325,7 +389,7 @@ def _log_interval(
     peak: float | None,
 ) -> dict:
     """Reduce the interval's device and host counters over ranks in one all-reduce and one host read."""
-    elapsed = clock.stop()
+    elapsed = clock.lap()
     host = torch.tensor(
         [
             counts.tokens,
@@ -344,13 +408,11 @@ def _log_interval(
     peak_mem = (
         torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
     )
-    record = {
+    return {
         "loss": loss_sum / max(labels, 1.0),
         "grad_norm": grad_norm_sum / (world * max(counts.steps, 1)),
         **metrics.interval_metrics(summed, elapsed, world, peak, peak_mem),
     }
-    clock.start()
-    return record
 
 
 def _emit(accelerator: Accelerator, record: dict, metrics_file: Path, bar: tqdm) -> None:

@@ -201,7 +201,7 @@ class IntervalCounts:
 
 
 def interval_metrics(
-    counts: IntervalCounts, elapsed_s: float, world_size: int, peak: float | None, peak_mem_gib: float
+    counts: IntervalCounts, elapsed_s: float, world_size: int, peak: float | None, peak_mem_gib: float | None
 ) -> dict[str, float | None]:
     """Per-GPU rates of one log interval; `counts` are summed over ranks, `elapsed_s` is wall time since the last
     log (after a device sync, so it covers the interval's whole device work)."""

@@ -27,8 +27,10 @@ lengths.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -39,6 +41,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
 from training import gated_delta
+
+logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "packed_flash_varlen"
 """Registry name of the packed attention. It contains "flash" so vision blocks make one varlen call per layer;
@@ -68,7 +72,9 @@ class PackedSeqlens:
         return sum(self.sample_lengths)
 
 
+@functools.cache
 def _varlen_attn_takes_gqa() -> bool:
+    """torch 2.13's varlen_attn shares kv heads itself (`enable_gqa`); 2.11's needs them repeated."""
     from torch.nn.attention.varlen import varlen_attn
 
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
@@ -222,6 +228,7 @@ def enable_packed_forward(model: torch.nn.Module, gated_delta_backend: gated_del
         config._attn_implementation = PACKED_ATTENTION
     hook = model.register_forward_pre_hook(_enter_pack, with_kwargs=True)
     model._packed_forward_state = _PackedForwardState(hook=hook, previous_attn=previous)
+    logger.info("packed forward: %s on %d configs; Gated DeltaNet backend: %s", PACKED_ATTENTION, len(configs), backend)
     return backend
 
 

@@ -1,0 +1,86 @@
+"""The recipe schema and the CLI: unknown keys name the nearest valid key, bad values and contradictory
+combinations fail with how to fix them, and the resolved config round-trips through the run directory."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+import train
+from training.config import load_config, save_config
+from training.config_tree import ConfigError
+
+SMOKE = "recipes/smoke.yaml"
+
+
+@pytest.mark.parametrize(
+    ("override", "nearest"),
+    [
+        ("train.max_step=5", "train.max_steps"),
+        ("trian.lr=0.1", "train"),
+        ("logging.report=none", "logging.report_to"),
+        ("checkpoint.resum=latest", "checkpoint.resume"),
+        ("kernels.mrop=fused", "kernels.mrope"),
+    ],
+)
+def test_unknown_key_names_the_nearest_valid_key(override, nearest):
+    """A misspelt key is an error whose message suggests the key that was meant."""
+    with pytest.raises(ConfigError, match=f"Did you mean '{nearest}'"):
+        load_config(SMOKE, [override])
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("train.lr=-1", "train.lr must be > 0"),
+        ("train.max_steps=0", "train.max_steps must be >= 1"),
+        ("train.min_lr_ratio=2", r"train.min_lr_ratio must be in \[0, 1\]"),
+        ("train.max_grad_norm=-1", "train.max_grad_norm must be >= 0"),
+        ("train.lr=fast", "train.lr' expects float"),
+        ("kernels.mrope=fastest", "must be one of"),
+        ("logging.report_to=tensorboard", "must be one of"),
+        ("logging.every_steps=0", "logging.every_steps must be >= 1"),
+        ("logging.peak_tflops=0", "logging.peak_tflops must be > 0"),
+        ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
+        ("model.freeze_vision=maybe", "expects true or false"),
+        ("train.max_steps", "dotted.key=value"),
+    ],
+)
+def test_bad_values_fail_clearly(override, message):
+    """Out-of-range or mistyped values are ConfigErrors that name the field."""
+    with pytest.raises(ConfigError, match=message):
+        load_config(SMOKE, [override])
+
+
+def test_cross_field_checks_say_how_to_fix():
+    """Contradictory sections fail with the settings that resolve them."""
+    with pytest.raises(ConfigError, match=re.escape("set data.eval_fraction > 0")):
+        load_config(SMOKE, ["data.eval_fraction=0", "train.eval_every=10"])
+    with pytest.raises(ConfigError, match=re.escape("train.lr_vision=null or model.freeze_vision=false")):
+        load_config(SMOKE, ["model.freeze_vision=true", "train.lr_vision=1e-5"])
+    with pytest.raises(ConfigError, match="nothing would train"):
+        load_config(SMOKE, ["model.freeze_vision=true", "model.freeze_merger=true", "model.freeze_llm=true"])
+
+
+def test_overrides_reach_nested_model_config():
+    """Dotted overrides go into the free-form Hugging Face config (e.g. a benchmark's depth)."""
+    cfg = load_config(SMOKE, ["model.config.text_config.num_hidden_layers=3", "train.lr=3e-4"])
+    assert cfg.model.config["text_config"]["num_hidden_layers"] == 3
+    assert cfg.model.config["text_config"]["hidden_size"] == 128  # siblings kept
+    assert cfg.train.lr == 3e-4
+
+
+def test_resolved_config_round_trips(tmp_path):
+    """The config.yaml written into a run directory loads back to the same config."""
+    cfg = load_config(SMOKE, ["train.max_steps=7", "logging.tags=[a,b]"])
+    save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(str(tmp_path / "config.yaml")) == cfg
+
+
+def test_cli_parses_config_overrides_and_resume():
+    """`train.py --config PATH k=v ... --resume`: overrides keep their order; --resume is a flag."""
+    args = train.parse_args(["--config", SMOKE, "train.max_steps=5", "logging.report_to=none", "--resume"])
+    assert (args.config, args.overrides, args.resume) == (SMOKE, ["train.max_steps=5", "logging.report_to=none"], True)
+    with pytest.raises(SystemExit):
+        train.parse_args(["train.max_steps=5"])  # --config is required

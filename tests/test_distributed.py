@@ -1,0 +1,182 @@
+"""Two training processes on CPU (gloo, launched by torchrun like `accelerate launch` does on GPUs): data-parallel
+training of the tiny model matches one process on the same global batch, a rank with a text-only pack does not
+hang, resume continues exactly, and the export loads in one process.
+
+The dataset is two samples that never share a pack (their lengths add up past the pack budget): one with an image,
+one text-only. The loader deals packs by cost, so with two ranks every step gives rank 0 the image pack and rank 1
+the text-only pack — the situation that hangs FSDP/ZeRO-3 trainers when the text-only rank skips the vision tower
+(../shared/PITFALLS.md #5). One process with two accumulation steps sees the same two packs per optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = "recipes/tiny-qwen2_5_vl.yaml"
+LAUNCH_TIMEOUT_S = 150  # a healthy launch takes ~20 s on 2 cores; a collective mismatch hangs until this
+STEPS = 4
+COMMON = [
+    "kernels.mrope=unfused",  # the fused kernels would run under the Triton interpreter: ~100x slower
+    "model.dtype=float32",
+    "data.eval_fraction=0",
+    "packing.max_tokens=200",  # image sample 102 tokens + text sample 128 tokens: never one pack
+    f"train.max_steps={STEPS}",
+    "train.warmup_steps=1",
+    "train.lr=0.003",
+    "checkpoint.every_steps=2",
+    "checkpoint.keep_last=2",
+    "logging.every_steps=1",
+    "logging.timing_warmup_steps=1",
+    "logging.progress_bar=false",
+    "logging.report_to=none",
+]
+
+
+def write_mixed_dataset(directory: Path) -> Path:
+    """Two LLaVA records: a 224x224 image with a question (102 tokens, 256 ViT patches), and text only (128)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", (224, 224), (220, 40, 40)).save(directory / "red.png")
+    records = [
+        {
+            "id": "image",
+            "image": "red.png",
+            "conversations": [
+                {"from": "human", "value": "<image>\nWhat color is the square?"},
+                {"from": "gpt", "value": "The square is red."},
+            ],
+        },
+        {
+            "id": "text",
+            "conversations": [
+                {"from": "human", "value": "Name the words. " + "cat dog sun tree boat fish " * 12},
+                {"from": "gpt", "value": "cat dog sun tree boat fish " * 4},
+            ],
+        },
+    ]
+    path = directory / "data.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) -> dict:
+    """train.py in `nproc` processes (torchrun + gloo when nproc > 1); returns its summary.json. A launch that
+    outlives LAUNCH_TIMEOUT_S is killed with its whole process group and fails the test."""
+    train_args = [
+        "train.py",
+        "--config",
+        TINY,
+        *COMMON,
+        f"data.path={data}",
+        f"data.cache_dir={cache}",
+        f"train.output_dir={run_dir}",
+        *overrides,
+    ]
+    if nproc == 1:
+        command = [sys.executable, *train_args]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        command += train_args
+    # ACCELERATE_USE_CPU: without CUDA, accelerate only forms a process group (gloo) when told to use the CPU.
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = run_dir.parent / f"{run_dir.name}.log"
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"{nproc}-process run hung for {LAUNCH_TIMEOUT_S} s; log:\n{log_path.read_text()[-3000:]}")
+    if code != 0:
+        pytest.fail(f"{nproc}-process run failed (exit {code}); log:\n{log_path.read_text()[-3000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def step_records(run_dir: Path) -> dict[int, dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    """The three launches the tests read: two processes (with the export), one process accumulating two packs
+    per step, and two processes resuming the first run from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("distributed")
+    data, cache = write_mixed_dataset(root / "data"), root / "cache"
+    two, one, resumed = root / "two", root / "one", root / "resumed"
+    # window = 2 packs in both layouts, so both see the same two packs per optimizer step
+    launch(2, two, data, cache, "packing.balance_window_steps=1", "checkpoint.export=true")
+    launch(1, one, data, cache, "packing.balance_window_steps=2", "train.grad_accum_steps=2", "checkpoint.export=false")
+    checkpoint = two / "checkpoints" / "step_00000002"
+    launch(
+        2,
+        resumed,
+        data,
+        cache,
+        "packing.balance_window_steps=1",
+        "checkpoint.export=false",
+        f"checkpoint.resume={checkpoint}",
+    )
+    return {"two": two, "one": one, "resumed": resumed, "data": data, "cache": cache}
+
+
+@pytest.mark.slow
+def test_every_step_gives_one_rank_a_text_only_pack(runs):
+    """The setup the other tests rely on: on each step of two ranks, rank 0's pack has an image and rank 1's pack
+    is text only (so the two-process run below really exercised the dummy-image path)."""
+    from data.pipeline import build_data, load_processor
+    from training.config import load_config
+    from training.modeling import hf_config
+
+    overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
+    cfg = load_config(str(ROOT / TINY), [*overrides, "packing.balance_window_steps=1"])
+    processor = load_processor(cfg)
+    loaders = [build_data(cfg, processor, hf_config(cfg.model), rank, 2)[0] for rank in (0, 1)]
+    for rank, loader in enumerate(loaders):
+        steps = list(loader.steps(0))
+        assert len(steps) == 1
+        patches = steps[0][rank].patches
+        assert (patches > 0) if rank == 0 else (patches == 0)
+
+
+@pytest.mark.slow
+def test_two_processes_match_one_process_on_the_same_global_batch(runs):
+    """Two ranks (one of them text-only every step) train without hanging, and their loss and gradient norm per
+    step equal one process accumulating the same two packs: the loss is normalised by the global label count and
+    the text-only rank's dummy image adds exactly nothing."""
+    two, one = step_records(runs["two"]), step_records(runs["one"])
+    assert json.loads((runs["two"] / "summary.json").read_text())["num_processes"] == 2
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
+    for step in two:
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), f"loss at step {step}"
+        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), f"grad norm at {step}"
+    assert two[STEPS]["loss"] < two[1]["loss"]
+
+
+@pytest.mark.slow
+def test_resume_under_two_processes_continues_exactly(runs):
+    """Two processes resumed from the step-2 checkpoint log the same losses for steps 3-4 as the uninterrupted run."""
+    full, resumed = step_records(runs["two"]), step_records(runs["resumed"])
+    assert sorted(resumed) == [3, 4]
+    for step in resumed:
+        assert resumed[step]["loss"] == pytest.approx(full[step]["loss"], rel=1e-6), f"loss at step {step}"
+
+
+@pytest.mark.slow
+def test_export_of_the_two_process_run_loads_in_one_process(runs):
+    """The final export of a two-process run loads with from_pretrained in a single process, every weight present."""
+    from transformers import AutoModelForImageTextToText
+
+    model, info = AutoModelForImageTextToText.from_pretrained(runs["two"] / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert model.config.model_type == "qwen2_5_vl"
