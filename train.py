@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import sys
 from pathlib import Path
 
 from accelerate import Accelerator
@@ -20,8 +21,9 @@ from accelerate.utils import set_seed
 
 from data.pipeline import build_data, load_processor
 from mrope_kernels.patch import apply_rope_choice
-from training import checkpoint, loop, metrics, optim, parts, tracking
+from training import checkpoint, distributed, loop, metrics, optim, parts, tracking
 from training.config import load_config, save_config
+from training.config_tree import ConfigError
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 
@@ -45,7 +47,9 @@ def main(argv: list[str] | None = None) -> dict:
         mixed_precision=loop.mixed_precision(cfg.model.dtype),
         log_with=tracking.log_with(cfg),
         step_scheduler_with_optimizer=False,
+        **distributed.accelerator_kwargs(cfg.model.dtype),
     )
+    distributed.check_world_size(accelerator.num_processes)
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
     set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
@@ -108,4 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:  # a recipe/override mistake: the message says how to fix it, no traceback needed
+        sys.exit(f"config error: {error}")

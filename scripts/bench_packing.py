@@ -98,7 +98,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", default="artifacts/bench_packing.json")
     parser.add_argument("--max-tokens", type=int, default=8192, help="pack budget")
     parser.add_argument("--padded-batch-size", type=int, default=8)
-    parser.add_argument("--num-samples", type=int, default=160, help="samples per dataset")
+    parser.add_argument("--num-samples", type=int, default=600, help="samples per dataset")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps per variant")
     parser.add_argument("--max-seconds", type=float, default=8.0, help="timed seconds per variant, at most")
     parser.add_argument("--tiny", action="store_true", help="tiny dims: a CPU smoke run of this script")

@@ -271,7 +271,8 @@ def table(comparison: dict) -> str:
         gap = row["max_abs_dloss_vs_baseline"]
         gap_text = "other batches" if gap is None and name != baseline else _fmt(gap, ".2e")
         lines.append(
-            f"| {name} | {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} | {_fmt(row['tokens_per_s_per_gpu_ratio'], '.3f')} "
+            f"| {name} | {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} "
+            f"| {_fmt(row['tokens_per_s_per_gpu_ratio'], '.3f')} "
             f"| {_fmt(row['step_time_s'], '.3f')} | {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} "
             f"| {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} |"
         )

@@ -46,7 +46,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps for the first recipe")
     parser.add_argument("--shape-steps", type=int, default=16, help="optimizer steps for the other recipes")
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from tokens/s")
-    parser.add_argument("--resume-all", action="store_true", help="FSDP2 resume check on every recipe, not just the first")
+    parser.add_argument(
+        "--resume-all", action="store_true", help="FSDP2 resume check on every recipe, not just the first"
+    )
     parser.add_argument("--loss-tol", type=float, default=0.05, help="max |Δloss| per step that counts as parity")
     parser.add_argument("--launch-timeout", type=int, default=300, help="seconds one launch may take")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
@@ -90,7 +92,9 @@ def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], timeou
     log_path = run_dir / "train.log"
     start = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -200,7 +204,11 @@ def export_loads(export_dir: str | None) -> str:
     except Exception as error:  # reported in the JSON, not fatal: the other numbers are still worth having
         return f"failed: {type(error).__name__}: {error}"
     missing, unexpected = info["missing_keys"], info["unexpected_keys"]
-    return "ok" if not missing and not unexpected else f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+    return (
+        "ok"
+        if not missing and not unexpected
+        else f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+    )
 
 
 def _fmt(value, spec: str) -> str:
@@ -209,7 +217,8 @@ def _fmt(value, spec: str) -> str:
 
 def table(results: list[dict], tol: float) -> str:
     lines = [
-        "| recipe | layout | GPUs | tokens/s/GPU | scaling vs 1 GPU | MFU | peak mem rank 0 (GiB) | max \\|Δloss\\| vs 1 GPU |",
+        "| recipe | layout | GPUs | tokens/s/GPU | scaling vs 1 GPU | MFU | peak mem rank 0 (GiB) "
+        "| max \\|Δloss\\| vs 1 GPU |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:

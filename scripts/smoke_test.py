@@ -90,11 +90,12 @@ def main() -> int:
     summary = json.loads((run_dir / "summary.json").read_text())
     start, end = summary["loss_start"], summary["loss_end"]
     mfu = "n/a (no GPU peak known)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
+    rate = "n/a" if summary["tokens_per_s_per_gpu"] is None else f"{summary['tokens_per_s_per_gpu']:.0f}"
     eval_loss = "n/a" if summary["eval_loss"] is None else f"{summary['eval_loss']:.3f}"
     peak_mem = "n/a (CPU)" if summary["peak_mem_gib"] is None else f"{summary['peak_mem_gib']:.2f} GiB"
     lines = [
         f"loss            {start:.3f} → {end:.3f} over {summary['steps']} steps (held-out eval {eval_loss})",
-        f"tokens/s/GPU    {summary['tokens_per_s_per_gpu']:.0f} ({summary['timed_steps']} timed steps), MFU {mfu}",
+        f"tokens/s/GPU    {rate} ({summary['timed_steps']} timed steps after warm-up), MFU {mfu}",
         f"rope kernels    {'fused (Triton)' if summary['fused_rope'] else 'transformers (unfused)'}",
         f"peak memory     {peak_mem}",
         f"run directory   {summary['run_dir']} (metrics.jsonl, summary.json, config.yaml, checkpoints/)",

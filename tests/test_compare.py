@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from wandb.proto import wandb_internal_pb2
 
 from scripts import compare_throughput as compare
 from training.config_tree import ConfigError
-from wandb.proto import wandb_internal_pb2
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 # Small enough for two CPU runs in about a minute: short packs, few samples, two timed steps.

@@ -90,7 +90,9 @@ def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) 
     run_dir.mkdir(parents=True, exist_ok=True)
     log_path = run_dir.parent / f"{run_dir.name}.log"
     with log_path.open("w") as log:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -180,3 +182,42 @@ def test_export_of_the_two_process_run_loads_in_one_process(runs):
     model, info = AutoModelForImageTextToText.from_pretrained(runs["two"] / "final", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert model.config.model_type == "qwen2_5_vl"
+
+
+def test_fsdp_gradients_reduce_in_fp32_and_cpu_hosts_form_a_group(monkeypatch):
+    """Under FSDP (as `accelerate launch` with fsdp2.yaml sets it) parameters are gathered in the compute dtype and
+    gradients reduce-scattered in fp32, while the rest of the FSDP settings still come from the launcher; without
+    CUDA the Accelerator is told to use the CPU (else no gloo group forms)."""
+    import torch
+
+    from training.distributed import accelerator_kwargs
+
+    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
+    assert accelerator_kwargs("bfloat16") == {"cpu": not torch.cuda.is_available()}
+    for key, value in {
+        "ACCELERATE_USE_FSDP": "true",
+        "FSDP_VERSION": "2",
+        "FSDP_RESHARD_AFTER_FORWARD": "false",
+    }.items():
+        monkeypatch.setenv(key, value)
+    plugin = accelerator_kwargs("bfloat16")["fsdp_plugin"]
+    policy = plugin.mixed_precision_policy
+    assert (policy.param_dtype, policy.reduce_dtype, policy.output_dtype) == (
+        torch.bfloat16,
+        torch.float32,
+        torch.bfloat16,
+    )
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is False
+    assert "fsdp_plugin" not in accelerator_kwargs("float32")
+
+
+def test_launch_without_a_process_group_is_refused(monkeypatch):
+    """Two launched processes that formed no process group (each would train alone) are an error, not a run."""
+    from training.distributed import check_world_size
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(RuntimeError, match="2 processes were launched"):
+        check_world_size(1)
+    check_world_size(2)
+    monkeypatch.delenv("WORLD_SIZE")
+    check_world_size(1)

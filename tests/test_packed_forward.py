@@ -25,6 +25,7 @@ from training.packing_check import (
     compare_packed_to_per_sample,
     label_loss,
     pack_samples,
+    samples_from_batch,
     synthetic_sample,
 )
 
@@ -41,8 +42,27 @@ MIXED_PACK = (
 BUDGET_FILLING = (SampleSpec(40, ((4, 8),), text_after=50),)  # one sample filling the whole pack
 
 
-def tiny_model(family: str, dtype: str = "float32") -> torch.nn.Module:
-    model_cfg = load_config(f"recipes/tiny-{family}.yaml").model
+MODERATE_SHAPES = {  # wider heads than the tiny recipes (head_dim 128 / 256 as in the real models), for the GPU
+    "qwen2_5_vl": [
+        "model.config.text_config.hidden_size=512",
+        "model.config.text_config.rope_parameters.mrope_section=[16,24,24]",
+        "model.config.vision_config.hidden_size=256",
+        "model.config.vision_config.out_hidden_size=512",
+    ],
+    "qwen3_5": [
+        "model.config.text_config.hidden_size=512",
+        "model.config.text_config.head_dim=256",
+        "model.config.text_config.rope_parameters.mrope_section=[11,11,10]",
+        "model.config.text_config.linear_key_head_dim=128",
+        "model.config.text_config.linear_value_head_dim=128",
+        "model.config.vision_config.hidden_size=256",
+        "model.config.vision_config.out_hidden_size=512",
+    ],
+}
+
+
+def tiny_model(family: str, dtype: str = "float32", overrides: tuple[str, ...] | list[str] = ()) -> torch.nn.Module:
+    model_cfg = load_config(f"recipes/tiny-{family}.yaml", list(overrides)).model
     model_cfg.dtype = dtype
     return build_model(model_cfg, attn_implementation="sdpa")
 
@@ -56,6 +76,10 @@ def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
             if value is not None:
                 setattr(sample, name, value.to(device, model.dtype if value.is_floating_point() else None))
     return samples
+
+
+def merge_size(model) -> int:
+    return model.config.vision_config.spatial_merge_size
 
 
 def assert_within(report: PackingReport, rtol: float) -> None:
@@ -249,6 +273,44 @@ def test_packed_equals_per_sample_bf16_gpu(family):
     specs = (*MIXED_PACK, SampleSpec(200, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(150))
     report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(MODERATE_SHAPES))
+def test_packed_equals_per_sample_bf16_gpu_moderate_heads(family):
+    """The bf16 GPU equality at real head sizes (text head_dim 128 / 256, vision head_dim 128), where the varlen
+    kernels take their production code paths."""
+    model = tiny_model(family, dtype="bfloat16", overrides=MODERATE_SHAPES[family]).cuda()
+    enable_packed_forward(model)
+    specs = (*MIXED_PACK, SampleSpec(300, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(250))
+    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+def test_samples_from_batch_inverts_pack_samples():
+    """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images and pixels."""
+    model = tiny_model("qwen3_vl")
+    samples = samples_for(model, MIXED_PACK)
+    for original, split in zip(
+        samples, samples_from_batch(pack_samples(model, samples), merge_size(model)), strict=True
+    ):
+        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+            expected, got = getattr(original, name), getattr(split, name)
+            assert (expected is None and got is None) or torch.equal(expected, got), name
+
+
+def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
+    """scripts/verify_packing.py on a tiny recipe's own data pipeline (its collator's positions and boundaries)
+    exits 0 and prints one row per pack."""
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
+    status = verify_packing.main(
+        ["--config", "recipes/tiny-qwen3_5.yaml", "--packs", "2", "--rope", "unfused", *overrides]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert out.count("\nunfused ") == 2 and "PASS" in out
 
 
 def test_label_loss_normalises_by_total_labels():

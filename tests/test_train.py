@@ -15,7 +15,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
-from training import checkpoint, loop, metrics, parts
+from training import checkpoint, loop, metrics, optim, parts, tracking
 from training.config import load_config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
@@ -121,11 +121,54 @@ def test_resume_gives_the_same_losses(finished_run, data_cache, tmp_path):
         assert record["lr"] == full[record["step"]]["lr"]
 
 
-def test_resume_latest_without_checkpoint_starts_fresh_and_bad_path_fails(tmp_path):
-    """`checkpoint.resume=latest` in an empty run dir starts at step 0; a path that is no checkpoint is an error."""
+def test_checkpoints_are_complete_pruned_and_torn_ones_ignored(finished_run, tmp_path):
+    """Saves every 2 steps plus the final one, each with its COMPLETE marker and per-rank trainer state; `latest`
+    skips a newer directory without the marker (a save that was killed); an empty run dir resumes nothing; a path
+    that is no checkpoint is an error."""
+    out, _ = finished_run
+    saved = checkpoint.checkpoint_dirs(out)
+    assert [p.name for p in saved] == ["step_00000002", "step_00000004"]
+    assert all((p / "trainer_state_rank0.pt").is_file() for p in saved)
+    (out / "checkpoints" / "step_00000006").mkdir()
+    assert checkpoint.resolve_resume("latest", out) == saved[-1]
+    (out / "checkpoints" / "step_00000006").rmdir()
     assert checkpoint.resolve_resume("latest", tmp_path) is None
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
         checkpoint.resolve_resume(str(tmp_path), tmp_path)
+
+
+def test_wandb_mode_follows_login(monkeypatch, tmp_path):
+    """wandb runs online with credentials, offline without (no prompt, no network), and WANDB_MODE always wins."""
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    assert tracking.wandb_mode() == "offline"
+    monkeypatch.setenv("WANDB_API_KEY", "x" * 40)
+    assert tracking.wandb_mode() == "online"
+    monkeypatch.setenv("WANDB_MODE", "disabled")
+    assert tracking.wandb_mode() == "disabled"
+
+
+def test_schedule_and_param_groups():
+    """Linear warmup to the peak, cosine down to min_lr_ratio at max_steps; one group per part with its own LR,
+    matrices decayed and vectors not, frozen parts absent."""
+    assert optim.lr_multiplier(0, 10, 100, 0.1) == pytest.approx(0.1)
+    assert optim.lr_multiplier(9, 10, 100, 0.1) == pytest.approx(1.0)
+    assert optim.lr_multiplier(55, 10, 100, 0.1) == pytest.approx(0.55)
+    assert optim.lr_multiplier(100, 10, 100, 0.1) == pytest.approx(0.1)
+    cfg = load_config(TINY, ["train.lr_vision=1e-5", "train.weight_decay=0.1", "model.freeze_merger=true"])
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    parts.freeze(model, {"merger": True})
+    groups = {g["name"]: g for g in optim.param_groups(model, cfg.train)}
+    assert set(groups) == {"vision", "vision_no_decay", "llm", "llm_no_decay"}
+    assert groups["vision"]["lr"] == 1e-5 and groups["llm"]["lr"] == cfg.train.lr
+    assert groups["llm"]["weight_decay"] == 0.1 and groups["llm_no_decay"]["weight_decay"] == 0.0
+    assert all(p.ndim >= 2 for p in groups["llm"]["params"]) and all(
+        p.ndim < 2 for p in groups["llm_no_decay"]["params"]
+    )
+    trainable = {id(p) for p in model.parameters() if p.requires_grad}
+    assert {id(p) for g in groups.values() for p in g["params"]} == trainable
 
 
 def test_export_loads_and_generates(finished_run):
@@ -191,6 +234,21 @@ def grads_after(module: loop.TrainModule, micro_batches: list[dict]) -> tuple[fl
     return (loss_sum / count).item(), grads
 
 
+def test_chunked_cross_entropy_matches_full():
+    """The chunked fp32 cross-entropy (chunks recomputed in backward) equals one full-size fp32 cross-entropy in
+    value and gradient, for bf16 logits and chunks that do not divide the length; ignored labels add nothing."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 50, generator=gen).to(torch.bfloat16).requires_grad_()
+    labels = torch.randint(0, 50, (37,), generator=gen)
+    labels[::3] = -100
+    reference = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
+    (grad_ref,) = torch.autograd.grad(reference, logits)
+    chunked = loop.summed_cross_entropy(logits, labels, chunk_tokens=8)
+    (grad_chunked,) = torch.autograd.grad(chunked, logits)
+    torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(grad_chunked, grad_ref, rtol=0, atol=0)
+
+
 def test_accumulation_equals_one_big_batch(tiny_module):
     """Gradients accumulated over micro-batches with very different label counts equal the gradient of one pack
     holding all their samples: the loss is normalised by the global label count, not averaged per micro-batch."""
@@ -205,18 +263,22 @@ def test_accumulation_equals_one_big_batch(tiny_module):
         torch.testing.assert_close(grads_split[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_text_only_pack_runs_the_vision_tower(tiny_module):
-    """A text-only pack still sends a dummy image through the ViT and merger, so every vision parameter gets a
-    gradient (exactly zero) and DDP/FSDP collectives match across ranks; the loss is unchanged by it."""
+@pytest.mark.parametrize("recipe", sorted(Path("recipes").glob("tiny-*.yaml")), ids=lambda p: p.stem)
+def test_text_only_pack_runs_the_vision_tower(recipe):
+    """A text-only pack still sends a dummy image through the ViT and merger(s) of every family, so every vision
+    parameter gets a gradient (exactly zero) and DDP/FSDP collectives match across ranks; the loss is unchanged."""
+    model = build_model(load_config(str(recipe)).model, seed=0)
+    enable_packed_forward(model)
+    module = loop.TrainModule(model)
     gen = torch.Generator().manual_seed(1)
-    batch = text_pack([random_sample(gen, 20, 8)])
-    loss, _ = grads_after(tiny_module, [batch])
+    batch = text_pack([random_sample(gen, 20, 8), random_sample(gen, 12, 4)])
+    loss, _ = grads_after(module, [batch])
     for part in ("vision", "merger"):
-        modules = parts.part_modules(tiny_module.model)[part]
+        modules = parts.part_modules(module.model)[part]
         for name, param in ((n, p) for m in modules for n, p in m.named_parameters()):
             assert param.grad is not None, f"{part} parameter {name} got no gradient"
             assert torch.count_nonzero(param.grad) == 0, name
-    logits = tiny_module.model(**tiny_module.model_inputs(batch), use_cache=False).logits
+    logits = module.model(**module.model_inputs(batch), use_cache=False).logits
     expected = torch.nn.functional.cross_entropy(logits[0].float(), batch["shift_labels"][0], ignore_index=-100)
     assert loss == pytest.approx(expected.item(), rel=1e-6)
 
@@ -226,7 +288,7 @@ def test_text_only_pack_runs_the_vision_tower(tiny_module):
 
 def test_pack_flops_matches_hand_count():
     """pack_flops on the tiny Qwen2.5-VL equals a hand count from its dimensions: 6·N per token for the LLM and
-    per patch for the ViT (merger per merged token), causal per-document attention 3·4·H·d·s(s+1)/2, and ViT
+    per patch for the ViT (merger per merged token), per-document attention 3·4·H·d·sᵢ² (Σ sᵢ², not T²), and ViT
     attention 3·4·H·d over full frames and over its 2×2-merged-token windows."""
     cfg = load_config(TINY)
     with torch.device("meta"):
@@ -252,7 +314,7 @@ def test_pack_flops_matches_hand_count():
     full_layers = len(vision["fullatt_block_indexes"])
     expected = (
         6 * n_llm * sum(lengths)
-        + 3 * 4 * h * (10 * 11 // 2 + 20 * 21 // 2) * layers
+        + 3 * 4 * h * (10**2 + 20**2) * layers
         + 6 * n_vit * patches
         + 6 * n_merger * merged
         + 3 * 4 * vw * patches**2 * full_layers
@@ -272,3 +334,21 @@ def test_peak_flops_table_and_override():
     """The override wins; CPUs have no peak (MFU not reported)."""
     assert metrics.peak_flops(torch.device("cpu")) is None
     assert metrics.peak_flops(torch.device("cpu"), override_tflops=100.0) == 100e12
+
+
+@pytest.mark.gpu
+def test_gpu_run_with_fused_rope_reports_mfu(data_cache, tmp_path):
+    """On a GPU the tiny model trains in bf16 autocast with the fused rope kernels, and the summary reports MFU
+    (the device is in the peak table or logging.peak_tflops is set) and peak memory."""
+    summary = run_train(
+        tmp_path / "gpu",
+        data_cache,
+        "kernels.mrope=fused",
+        "model.dtype=bfloat16",
+        "train.max_steps=6",
+        "logging.timing_warmup_steps=2",
+        "logging.peak_tflops=989",
+        "checkpoint.export=false",
+    )
+    assert summary["fused_rope"] and summary["mfu"] is not None and summary["mfu"] > 0
+    assert summary["peak_mem_gib"] > 0 and summary["loss_end"] < summary["loss_start"]

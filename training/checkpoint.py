@@ -104,8 +104,10 @@ def export(accelerator: Accelerator, model: torch.nn.Module, processor: Any, out
             key.removeprefix("model."): value.to(target) if value.is_floating_point() else value
             for key, value in state.items()
         }
-        hf_model.config.dtype = dtype
         hf_model.save_pretrained(out_dir, state_dict=weights)
+        # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `dtype`.
+        hf_model.config.dtype = dtype
+        hf_model.config.save_pretrained(out_dir)
         processor.save_pretrained(out_dir)
         log.info("exported %s", out_dir)
     accelerator.wait_for_everyone()

@@ -1,4 +1,5 @@
-"""Process-launch helpers shared by the scripts that start training runs (comparison, distributed parity).
+"""Multi-process helpers: the Accelerator arguments train.py needs beyond mixed precision, a guard against silently
+independent processes, and the collective settings every launcher of ours exports.
 
 `SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: on the
 H200 hosts we run on, multicast objects are not available to containers and collectives that try them fail or hang
@@ -7,8 +8,46 @@ at start-up. The plain ring/tree algorithms are what the parity and scaling numb
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
+import torch
+
 SAFE_COLLECTIVES_ENV = {
     "NCCL_NVLS_ENABLE": "0",
     "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
     "NVSHMEM_DISABLE_NVLS": "1",
 }
+COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def accelerator_kwargs(dtype: str) -> dict[str, Any]:
+    """Extra `Accelerator(...)` arguments for a recipe whose `model.dtype` is `dtype` ("bfloat16", ...).
+
+    - `cpu=True` when there is no CUDA device: otherwise accelerate forms no process group on a CPU-only host, and
+      N launched processes each train their own copy on their own data without a word (gloo needs it said).
+    - Under FSDP (`accelerate launch` with recipes/accelerate/fsdp2.yaml sets ACCELERATE_USE_FSDP): a plugin whose
+      mixed precision gathers parameters in `dtype` but reduce-scatters gradients in fp32. accelerate's default
+      reduces in the compute dtype, which rounds every gradient to bf16 before the fp32 optimizer sees it; the
+      other FSDP settings still come from the config file (the plugin reads the FSDP_* variables the launcher set).
+    """
+    kwargs: dict[str, Any] = {"cpu": not torch.cuda.is_available()}
+    fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"
+    if fsdp and dtype != "float32":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        compute = COMPUTE_DTYPES[dtype]
+        policy = {"param_dtype": compute, "reduce_dtype": torch.float32, "output_dtype": compute}
+        kwargs["fsdp_plugin"] = FullyShardedDataParallelPlugin(mixed_precision_policy=policy)
+    return kwargs
+
+
+def check_world_size(num_processes: int) -> None:
+    """Raise when the launcher started more processes (WORLD_SIZE) than the Accelerator joined (`num_processes`):
+    each process would train alone and they would overwrite each other's run directory."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched != num_processes:
+        raise RuntimeError(
+            f"{launched} processes were launched but accelerate formed a group of {num_processes}: on a CPU-only "
+            "host pass cpu=True to Accelerator (training.distributed.accelerator_kwargs does), or launch one process."
+        )

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from training import metrics, packed
@@ -30,6 +31,7 @@ from training.config import Config
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100
+CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (
     "input_ids",
     "attention_mask",
@@ -58,12 +60,34 @@ def _tensor_sum(value: Any) -> torch.Tensor | None:
     return None
 
 
+def _chunk_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
+    """Σ over label tokens of -log softmax(logits)[label], in fp32, without a full fp32 copy of the logits.
+
+    logits: (N, V) in the compute dtype (bf16 under autocast); labels: long (N,), IGNORE_INDEX where no target.
+    Returns an fp32 scalar. Each chunk of `chunk_tokens` rows (default: CE_CHUNK_ELEMENTS / V) is upcast, reduced
+    and dropped; backward recomputes it (activation checkpointing), so the fp32 log-probabilities of a 16k x 152k
+    pack (~10 GB, plus as much again for their gradient) never exist at once.
+    """
+    chunk = chunk_tokens or max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
+    if logits.shape[0] <= chunk:
+        return _chunk_cross_entropy(logits, labels)
+    sums = [
+        checkpoint(_chunk_cross_entropy, part, part_labels, use_reentrant=False)
+        for part, part_labels in zip(logits.split(chunk), labels.split(chunk))
+    ]
+    return torch.stack(sums).sum()
+
+
 class TrainModule(nn.Module):
     """HF model + summed cross-entropy in one forward.
 
     forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), computed from the model's logits
-    (1, T, V) (or (B, S, V) padded) and `shift_labels` with sum reduction — one fp32 copy of the logits, no HF
-    loss. The caller divides by the global label count.
+    (1, T, V) (or (B, S, V) padded) and `shift_labels` by `summed_cross_entropy` (no HF loss, no full fp32 copy of
+    the logits). The caller divides by the global label count.
     """
 
     def __init__(self, model: nn.Module):
@@ -85,9 +109,7 @@ class TrainModule(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         logits = self.model(**self.model_inputs(batch), use_cache=False).logits
-        loss_sum = F.cross_entropy(
-            logits.flatten(0, 1).float(), batch["shift_labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
         if batch.get("pixel_values") is None:
             # Text-only pack: the vision tower still runs (on a dummy image, contributing exactly 0), so every
             # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient.

@@ -147,9 +147,10 @@ def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids:
     that multiplier + 1 is the `*_factor`; attention and the delta rule have no weights, their backward is 2× forward):
       * Dense layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
         `llm_matmul_params` (lm_head included; MoE experts scaled by top_k/n_experts). LLM: 2·N·Σsᵢ·factor.
-      * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair, and a
-        causal sample of length s has s(s+1)/2 such pairs, so forward = 4·H·d·s(s+1)/2 — per document, never T²,
-        because packed samples do not attend to each other. Backward of attention is 2× forward (×3 in total).
+      * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair over the
+        s² pairs of a sample of length s, so forward = 4·H·d·s² — per document (Σ sᵢ², never T²), because packed
+        samples do not attend to each other. Counted as a full square like verl and MegatronLM's formulas (the
+        causal kernel skips about half, so this is the conventional, comparable count). Backward is 2× forward.
       * Gated DeltaNet (Qwen3.5 linear layers), per token and layer: state read Sᵀk, rank-1 update and output Sᵀq,
         each 2·Hv·dk·dv → 6·Hv·dk·dv forward (the recurrent form's work; chunked kernels trade more FLOPs for speed).
       * ViT: patch embedding + blocks multiply each of the P = Σ t·h·w patches (2·N_vit·P); the merger(s) run on
@@ -159,9 +160,9 @@ def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids:
     """
     p = profile
     tokens = sum(sample_lengths)
-    causal_pairs = sum(s * (s + 1) // 2 for s in sample_lengths)
+    document_pairs = sum(s * s for s in sample_lengths)
     flops = 2.0 * p.llm_matmul_params * tokens * p.llm_factor
-    flops += 4.0 * p.llm_attn_width * causal_pairs * p.llm_attn_layers * ATTENTION_TRAIN_FACTOR
+    flops += 4.0 * p.llm_attn_width * document_pairs * p.llm_attn_layers * ATTENTION_TRAIN_FACTOR
     flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * ATTENTION_TRAIN_FACTOR
 
     m = p.spatial_merge_size

@@ -5,6 +5,7 @@ Offline runs land in `<run dir>/wandb/` and upload later with `wandb sync <that 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import netrc
 import os
@@ -46,6 +47,8 @@ def start(accelerator: Accelerator, cfg: Config, run_dir: Path) -> Path | None:
     """
     if cfg.logging.report_to == "none":
         return None
+    if importlib.util.find_spec("wandb") is None:
+        raise RuntimeError("logging.report_to=wandb but wandb is not installed: pip install wandb, or report_to=none.")
     mode = wandb_mode()
     wandb_root = run_dir / "wandb"
     init = {
