@@ -27,6 +27,7 @@ import importlib
 import inspect
 import logging
 import types
+import weakref
 from typing import Literal
 
 import torch
@@ -134,16 +135,29 @@ class PatchReport:
 
 @dataclasses.dataclass
 class _PatchState:
-    """Kept on the patched model (attribute `_fused_rope_patch`) so unpatching needs nothing else."""
+    """Kept on the patched model (attribute `_fused_rope_patch`) so unpatching needs nothing else.
+
+    `release` gives the model's hold on its family's module-global functions back exactly once: when
+    `unpatch_model` calls it, or when the model is garbage-collected without being unpatched, so a dropped
+    patched model never leaves transformers' functions replaced."""
 
     report: PatchReport
     overrides: list[tuple[torch.nn.Module, str]]
+    release: weakref.finalize
 
     def __deepcopy__(self, memo: dict) -> _PatchState:
-        """A deep copy of a patched model is patched too (its modules carry the copied overrides): count it, so
-        the family's functions stay replaced until both are unpatched."""
-        _GLOBAL_PATCHES[FAMILIES[self.report.family].modeling_module].patched_models += 1
-        return _PatchState(self.report, copy.deepcopy(self.overrides, memo))
+        """A deep copy of a patched model is patched too (its modules carry the copied overrides): it takes its
+        own hold on the family's functions, so they stay replaced until both are unpatched or collected."""
+        modeling_name = FAMILIES[self.report.family].modeling_module
+        _GLOBAL_PATCHES[modeling_name].patched_models += 1
+        model_copy = memo[id(self.release.peek()[0])]  # deepcopy memoizes the new model before copying its state
+        return _PatchState(self.report, copy.deepcopy(self.overrides, memo), _hold(model_copy, modeling_name))
+
+
+def _hold(model: torch.nn.Module, modeling_name: str) -> weakref.finalize:
+    release = weakref.finalize(model, _release_globals, modeling_name)
+    release.atexit = False  # nothing to restore in a process that is exiting
+    return release
 
 
 @dataclasses.dataclass
@@ -188,7 +202,9 @@ def patch_model(model: torch.nn.Module) -> PatchReport:
         functions=tuple(f"{family.modeling_module}.{name}" for name in function_names),
         attention_classes=attention_classes,
     )
-    model.__dict__[_STATE_ATTR] = _PatchState(report, [(module, attr) for module, attr, _ in overrides])
+    model.__dict__[_STATE_ATTR] = _PatchState(
+        report, [(module, attr) for module, attr, _ in overrides], _hold(model, family.modeling_module)
+    )
     return report
 
 
@@ -202,7 +218,7 @@ def unpatch_model(model: torch.nn.Module) -> None:
         raise PatchError(f"{type(model).__name__} is not patched{where}.")
     for module, attr in state.overrides:
         del module.__dict__[attr]
-    _release_globals(FAMILIES[state.report.family].modeling_module)
+    state.release()
     del model.__dict__[_STATE_ATTR]
 
 

@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from training.config import load_config  # noqa: E402
-from training.distributed import SAFE_COLLECTIVES_ENV  # noqa: E402
+from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
+TEARDOWN_GRACE_S = 60  # a rank still alive this long after summary.json is stuck in teardown, not working
 LAYOUT_WINDOW = {"single": 2, "ddp": 1, "fsdp2": 1, "resume": 1}  # packing.balance_window_steps per layout
 
 
@@ -80,7 +81,8 @@ def command_for(layout: str) -> list[str]:
 
 
 def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], timeout: int) -> dict:
-    """One train.py launch; returns {"summary", "losses" (step → loss), "wall_s"}; raises on failure or timeout."""
+    """One train.py launch; returns {"summary", "losses" (step → loss), "wall_s", "teardown_hang"}; raises on
+    failure or timeout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):
         (run_dir / stale).unlink(missing_ok=True)
@@ -95,14 +97,9 @@ def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], timeou
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            code = "timeout"
+        code, teardown_hang = wait_for_run(proc, run_dir / "summary.json", timeout)
     wall = time.perf_counter() - start
-    if code != 0:
+    if code != 0 and not teardown_hang:
         tail = "\n".join(log_path.read_text().splitlines()[-25:])
         raise RuntimeError(f"{layout} run of {recipe} ended with {code} after {wall:.0f} s; {log_path}:\n{tail}")
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -113,7 +110,29 @@ def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], timeou
         f"{summary['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s/GPU, peak {summary['peak_mem_gib']} GiB",
         flush=True,
     )
-    return {"summary": summary, "losses": losses, "wall_s": wall}
+    if teardown_hang:
+        print(f"[parity] {layout}: finished its work but hung in process teardown; killed (see open problems)")
+    return {"summary": summary, "losses": losses, "wall_s": wall, "teardown_hang": teardown_hang}
+
+
+def wait_for_run(proc: subprocess.Popen, summary: Path, timeout: int) -> tuple[int | str, bool]:
+    """Wait for a launch; kill its process group after `timeout` s, or TEARDOWN_GRACE_S after its summary.json
+    appeared (all ranks are done by then: the summary needs their reductions) if a rank never exits.
+    Returns (exit code or "timeout", whether it was killed in teardown)."""
+    deadline = time.monotonic() + timeout
+    done_at = None
+    while True:
+        try:
+            return proc.wait(timeout=2), False
+        except subprocess.TimeoutExpired:
+            now = time.monotonic()
+            if done_at is None and summary.is_file():
+                done_at = now
+            hung_in_teardown = done_at is not None and now - done_at > TEARDOWN_GRACE_S
+            if hung_in_teardown or now > deadline:
+                kill_process_tree(proc.pid)
+                proc.wait()
+                return "timeout", hung_in_teardown
 
 
 def max_gap(a: dict[int, float], b: dict[int, float]) -> float | None:
@@ -144,29 +163,43 @@ def check_recipe(recipe: str, steps: int, args: argparse.Namespace, out_root: Pa
         "fsdp2": [*halfway, "checkpoint.export=true"] if with_resume else no_checkpoints,
     }
     name = Path(recipe).stem
-    runs = {}
+    runs, errors = {}, {}
     for layout, extra in plan.items():
         window = f"packing.balance_window_steps={LAYOUT_WINDOW[layout]}"
-        runs[layout] = launch(layout, recipe, out_root / name / layout, [*common, window, *extra], args.launch_timeout)
+        try:
+            runs[layout] = launch(
+                layout, recipe, out_root / name / layout, [*common, window, *extra], args.launch_timeout
+            )
+        except RuntimeError as error:  # e.g. out of memory in one layout: the others are still worth measuring
+            errors[layout] = str(error)
+            print(f"[parity] {layout} FAILED: {str(error)[:2000]}", flush=True)
 
-    single = runs["single"]["summary"]
-    result = {"recipe": recipe, "steps": steps, "layouts": {}}
+    single = runs.get("single")
+    result = {"recipe": recipe, "steps": steps, "layouts": {}, "errors": errors}
     for layout, run in runs.items():
         summary = run["summary"]
         tps = summary["tokens_per_s_per_gpu"]
+        base_tps = single["summary"]["tokens_per_s_per_gpu"] if single else None
         result["layouts"][layout] = {
             "num_processes": summary["num_processes"],
             "tokens_per_s_per_gpu": tps,
-            "scaling_efficiency": tps / single["tokens_per_s_per_gpu"] if layout != "single" and tps else None,
+            "scaling_efficiency": tps / base_tps if layout != "single" and tps and base_tps else None,
             "mfu": summary["mfu"],
             "peak_mem_gib_rank0": summary["peak_mem_gib"],
             "loss_end": summary["loss_end"],
-            "max_abs_dloss_vs_single": None if layout == "single" else max_gap(run["losses"], runs["single"]["losses"]),
+            "max_abs_dloss_vs_single": (
+                max_gap(run["losses"], single["losses"]) if layout != "single" and single else None
+            ),
+            "teardown_hang": run["teardown_hang"],
             "wall_s": run["wall_s"],
             "losses": run["losses"],
         }
-    if with_resume:
-        result["fsdp2_resume"] = check_resume(recipe, runs["fsdp2"], half, common, out_root / name, args)
+    if with_resume and "fsdp2" in runs:
+        try:
+            result["fsdp2_resume"] = check_resume(recipe, runs["fsdp2"], half, common, out_root / name, args)
+        except RuntimeError as error:
+            errors["resume"] = str(error)
+            print(f"[parity] resume FAILED: {str(error)[:2000]}", flush=True)
     return result
 
 
@@ -272,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         for row in result["layouts"].values():
             gap = row["max_abs_dloss_vs_single"]
             ok &= gap is None or gap <= args.loss_tol
+        for layout in result["errors"]:
+            print(f"\n{Path(result['recipe']).stem} {layout}: FAILED (see the JSON and its train.log)")
+            ok = False
     print(f"\n[parity] {report['wall_s']:.0f} s in all; wrote {out}")
     return 0 if ok else 1
 

@@ -1,4 +1,4 @@
-"""Two training processes on CPU (gloo, launched by torchrun like `accelerate launch` does on GPUs): data-parallel
+"""Two training processes on CPU (gloo, `accelerate launch` with the repo's DDP config, as on GPUs): data-parallel
 training of the tiny model matches one process on the same global batch, a rank with a text-only pack does not
 hang, resume continues exactly, and the export loads in one process.
 
@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import json
 import os
-import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
+
+from training.distributed import kill_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -68,8 +70,8 @@ def write_mixed_dataset(directory: Path) -> Path:
 
 
 def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) -> dict:
-    """train.py in `nproc` processes (torchrun + gloo when nproc > 1); returns its summary.json. A launch that
-    outlives LAUNCH_TIMEOUT_S is killed with its whole process group and fails the test."""
+    """train.py in `nproc` processes (`accelerate launch` with recipes/accelerate/ddp.yaml when nproc > 1);
+    returns its summary.json."""
     train_args = [
         "train.py",
         "--config",
@@ -80,15 +82,19 @@ def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) 
         f"train.output_dir={run_dir}",
         *overrides,
     ]
-    if nproc == 1:
-        command = [sys.executable, *train_args]
-    else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        command += train_args
-    # ACCELERATE_USE_CPU: without CUDA, accelerate only forms a process group (gloo) when told to use the CPU.
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    command = [sys.executable, *train_args]
+    if nproc > 1:  # the repo's own DDP config: on a host without CUDA, train.py asks accelerate for gloo on the CPU
+        launcher = ["-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/ddp.yaml"]
+        command[1:1] = [*launcher, f"--num_processes={nproc}", f"--main_process_port={free_port()}"]
     run_dir.mkdir(parents=True, exist_ok=True)
-    log_path = run_dir.parent / f"{run_dir.name}.log"
+    run_processes(command, run_dir.parent / f"{run_dir.name}.log", f"{nproc}-process run")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def run_processes(command: list[str], log_path: Path, what: str) -> str:
+    """Run a (torchrun) command on CPU and return its output; a failure, or a hang past LAUNCH_TIMEOUT_S (the
+    whole process tree is then killed), fails the test with the end of the log."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     with log_path.open("w") as log:
         proc = subprocess.Popen(
             command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
@@ -96,12 +102,19 @@ def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) 
         try:
             code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_process_tree(proc.pid)
             proc.wait()
-            pytest.fail(f"{nproc}-process run hung for {LAUNCH_TIMEOUT_S} s; log:\n{log_path.read_text()[-3000:]}")
+            pytest.fail(f"{what} hung for {LAUNCH_TIMEOUT_S} s; log:\n{log_path.read_text()[-3000:]}")
+    output = log_path.read_text()
     if code != 0:
-        pytest.fail(f"{nproc}-process run failed (exit {code}); log:\n{log_path.read_text()[-3000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
+        pytest.fail(f"{what} failed (exit {code}); log:\n{output[-3000:]}")
+    return output
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:
@@ -221,3 +234,71 @@ def test_launch_without_a_process_group_is_refused(monkeypatch):
     check_world_size(2)
     monkeypatch.delenv("WORLD_SIZE")
     check_world_size(1)
+
+
+# FSDP2 through accelerate needs CUDA (on a CPU process group accelerate falls back to plain data parallel), so on
+# CPU this worker shards the training module with torch's fully_shard as accelerate's FSDP2 path does: every module
+# of a _no_split_modules class (decoder layers, ViT blocks) is its own unit, then the root. FSDP2 needs every rank to
+# run the units in the same order, so a text-only rank must send its dummy image through the ViT where a real image
+# would go: before the decoder layers.
+FSDP2_WORKER = """
+import dataclasses, json, sys
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from data.pipeline import build_data, load_processor
+from training import loop
+from training.config import load_config
+from training.modeling import build_model, hf_config
+from training.packed import enable_packed_forward
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = load_config({recipe!r}, {overrides!r})
+processor = load_processor(cfg)
+packs = [next(iter(build_data(cfg, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
+
+def train_module():
+    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
+    enable_packed_forward(model)
+    return loop.TrainModule(model)
+
+labels = sum(pack["num_label_tokens"] for pack in packs)
+reference = train_module()
+for pack in packs:
+    (reference(pack) / labels).backward()
+sharded = train_module()
+units = [m for m in sharded.modules() if type(m).__name__ in sharded._no_split_modules]
+for unit in units:
+    fully_shard(unit)
+fully_shard(sharded)
+(sharded(packs[rank]) * 2 / labels).backward()  # FSDP averages gradients over the 2 ranks
+expected = dict(reference.named_parameters())
+worst = max(
+    ((p.grad.full_tensor() - expected[name].grad).abs().max() / expected[name].grad.abs().max().clamp(min=1e-12)).item()
+    for name, p in sharded.named_parameters()
+)
+report = dict(rank=rank, units=len(units), patches=[p["num_vision_patches"] for p in packs], worst=worst)
+print("RESULT " + json.dumps(report), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_with_a_text_only_rank_matches_one_unsharded_model(runs, tmp_path):
+    """Under FSDP2 (per-layer shards over gloo), a step where rank 1's pack is text only completes — its vision
+    blocks still all-gather and reduce-scatter — and the sharded gradients equal one unsharded model's gradient
+    over both packs (global label-count normalisation)."""
+    overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
+    overrides.append("packing.balance_window_steps=1")
+    worker = tmp_path / "fsdp2_worker.py"
+    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    output = run_processes(command, tmp_path / "fsdp2.log", "FSDP2 step")
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert result["patches"][0] > 0 and result["patches"][1] == 0
+        assert result["units"] >= 4  # 2 decoder layers + 2 ViT blocks of the tiny model
+        assert result["worst"] < 1e-4, f"rank {result['rank']}: worst relative gradient error {result['worst']}"

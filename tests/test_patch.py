@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import importlib
 import logging
 
@@ -141,8 +142,11 @@ class CallCounter:
 @pytest.fixture(autouse=True)
 def every_patch_is_undone():
     """Each test unpatches what it patched; a test that leaves transformers' functions replaced fails, and they are
-    restored so the next test starts clean."""
+    restored so the next test starts clean. Models patched and dropped elsewhere (other test files) give their
+    hold back when collected."""
+    gc.collect()
     yield
+    gc.collect()
     leaked = sorted(patch_module._GLOBAL_PATCHES)
     for name in leaked:
         modeling = importlib.import_module(name)
@@ -398,6 +402,23 @@ def test_deep_copy_of_patched_model_is_patched_and_independent(reference_ops):
     assert reference_ops["mrope"].calls > calls_before
     unpatch_model(clone)
     assert_outputs_equal(forward_backward(clone, batch), expected)
+
+
+def test_dropped_patched_models_give_the_functions_back():
+    """A patched model (and its deep copy) garbage-collected without unpatch_model no longer holds transformers'
+    apply functions: once the last one is gone the originals are back."""
+    modeling = importlib.import_module(patch_module.FAMILIES["qwen3_vl"].modeling_module)
+    original = modeling.apply_rotary_pos_emb
+    model = tiny_model("qwen3_vl")
+    patch_model(model)
+    clone = copy.deepcopy(model)
+    assert modeling.apply_rotary_pos_emb is not original
+    del model
+    gc.collect()
+    assert modeling.apply_rotary_pos_emb is not original  # the copy still holds them
+    del clone
+    gc.collect()
+    assert modeling.apply_rotary_pos_emb is original
 
 
 def test_patch_twice_and_unpatch_unpatched_raise():

@@ -51,3 +51,20 @@ def check_world_size(num_processes: int) -> None:
             f"{launched} processes were launched but accelerate formed a group of {num_processes}: on a CPU-only "
             "host pass cpu=True to Accelerator (training.distributed.accelerator_kwargs does), or launch one process."
         )
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL a launcher and every process under it. Killing the launcher's process group is not enough:
+    torch's elastic agent starts each rank in a session of its own, so ranks would outlive it."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+    except psutil.NoSuchProcess:
+        return
+    for process in [*root.children(recursive=True), root]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            continue
+    psutil.wait_procs([root], timeout=10)
