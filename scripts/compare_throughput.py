@@ -41,7 +41,7 @@ sys.path.insert(0, str(ROOT))
 
 from training.config import load_config  # noqa: E402
 from training.config_tree import ConfigError  # noqa: E402
-from training.distributed import SAFE_COLLECTIVES_ENV  # noqa: E402
+from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
 
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed"},
@@ -104,6 +104,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="command that runs train.py instead of this Python, e.g. "
         "'accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2'",
     )
+    parser.add_argument("--run-timeout", type=int, default=3600, help="seconds one variant's run may take")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every variant")
     return parser.parse_args(argv)
 
@@ -175,11 +176,17 @@ def run_variant(
     log_path = run_dir / "train.log"
     start = time.perf_counter()
     with log_path.open("w") as log_file:
-        proc = subprocess.run(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT, check=False)
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
+        try:
+            code = proc.wait(timeout=args.run_timeout)
+        except subprocess.TimeoutExpired:
+            kill_process_tree(proc.pid)
+            proc.wait()
+            code = f"killed after --run-timeout {args.run_timeout} s"
     wall = time.perf_counter() - start
-    if proc.returncode != 0:
+    if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"variant {variant} failed (exit {proc.returncode}); end of {log_path}:\n{tail}")
+        raise RuntimeError(f"variant {variant} failed ({code}); end of {log_path}:\n{tail}")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "loss" in r]
@@ -309,15 +316,25 @@ def environment() -> dict:
     import torch
     import transformers
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
     return {
         "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "commit": (commit.stdout.strip() or "unknown") + ("-dirty" if dirty.stdout.strip() else ""),
+        "commit": git_commit(),
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
     }
+
+
+def git_commit() -> str:
+    """Short commit of the checkout, '-dirty' with uncommitted changes; 'unknown' without git or a repository."""
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        return "unknown"
+    if commit.returncode != 0:
+        return "unknown"
+    return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
 def main(argv: list[str] | None = None) -> dict:
