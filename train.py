@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     if cfg.checkpoint.export:
         export_dir = checkpoint.export(accelerator, module, processor, run_dir / "final", cfg.model.dtype)
     summary = loop.summarize(accelerator, result, run_dir, wandb_dir, export_dir, rope is not None)
+    accelerator.wait_for_everyone()  # ranks tear the process group down together (gloo hangs otherwise)
     accelerator.end_training()
     return summary
 

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
@@ -108,15 +109,16 @@ class TrainModule(nn.Module):
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
 
     def forward(self, batch: dict) -> torch.Tensor:
-        logits = self.model(**self.model_inputs(batch), use_cache=False).logits
-        loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+        dummy = None
         if batch.get("pixel_values") is None:
             # Text-only pack: the vision tower still runs (on a dummy image, contributing exactly 0), so every
-            # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient.
+            # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient. It runs
+            # first, where a real image would: FSDP2 all-gathers unit by unit, in execution order, on every rank.
             visual = self.model.model.visual
-            out = visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid)
-            loss_sum = loss_sum + 0.0 * _tensor_sum(out)
-        return loss_sum
+            dummy = _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
+        logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+        loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+        return loss_sum if dummy is None else loss_sum + 0.0 * dummy
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -344,6 +346,8 @@ def train(
         micro = [to_device(b, device) for b in host_batches]
         loss_sum, label_count = accumulate_gradients(accelerator, module, micro)
         grad_norm = accelerator.clip_grad_norm_(params, tcfg.max_grad_norm if tcfg.max_grad_norm > 0 else math.inf)
+        if isinstance(grad_norm, DTensor):  # FSDP2: a replicated DTensor, which cannot be added to a plain tensor
+            grad_norm = grad_norm.full_tensor()
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
