@@ -11,6 +11,7 @@ the text-only pack — the situation that hangs FSDP/ZeRO-3 trainers when the te
 from __future__ import annotations
 
 import json
+import re
 import os
 import socket
 import subprocess
@@ -296,7 +297,8 @@ def test_fsdp2_with_a_text_only_rank_matches_one_unsharded_model(runs, tmp_path)
     worker.write_text(FSDP2_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     output = run_processes(command, tmp_path / "fsdp2.log", "FSDP2 step")
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in output.splitlines() if "RESULT " in line]
+    # ranks print concurrently, so two results can share a line: find each flat JSON object after its marker
+    results = [json.loads(match) for match in re.findall(r"RESULT (\{[^{}]*\})", output)]
     assert sorted(r["rank"] for r in results) == [0, 1]
     for result in results:
         assert result["patches"][0] > 0 and result["patches"][1] == 0

@@ -404,6 +404,21 @@ def test_deep_copy_of_patched_model_is_patched_and_independent(reference_ops):
     assert_outputs_equal(forward_backward(clone, batch), expected)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_rotary_buffers_cast_to_bf16_keep_exact_frequencies(family, reference_ops):
+    """A mixed-precision wrapper (FSDP2) casting the rotary buffers to bf16 changes nothing: the patch rotates
+    with the exact fp32 frequencies, so outputs and gradients stay bit-identical."""
+    model = tiny_model(family)
+    patch_model(model)
+    batch = image_batch(model)
+    expected = forward_backward(model, batch)
+    for module in model.modules():
+        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
+            module.inv_freq = module.inv_freq.to(torch.bfloat16)
+    assert_outputs_equal(forward_backward(model, batch), expected)
+    unpatch_model(model)
+
+
 def test_dropped_patched_models_give_the_functions_back():
     """A patched model (and its deep copy) garbage-collected without unpatch_model no longer holds transformers'
     apply functions: once the last one is gone the originals are back."""
