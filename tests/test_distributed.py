@@ -11,8 +11,8 @@ the text-only pack — the situation that hangs FSDP/ZeRO-3 trainers when the te
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import socket
 import subprocess
 import sys
