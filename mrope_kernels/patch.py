@@ -50,26 +50,34 @@ class PatchError(ValueError):
     """The model cannot be patched (or unpatched) exactly; the message says why and what to do."""
 
 
-@dataclasses.dataclass(frozen=True)
 class MRopeArgs:
     """What text attention needs to rotate q/k with `apply_mrope`; travels in the `sin` slot of HF's
     `position_embeddings`, next to the integer positions (3, B, S) in the `cos` slot.
 
     inv_freq: fp32 (R/2,) on the activations' device; mrope_section: three ints summing to R/2.
+    A plain class on purpose, not a dataclass or tuple: mixed-precision wrappers cast the floating-point forward
+    inputs of each wrapped block, recursing into tuples and dataclasses (FSDP2 does), which would round inv_freq.
     """
 
-    inv_freq: torch.Tensor
-    mrope_section: tuple[int, int, int]
-    interleaved: bool
-    attention_scaling: float
+    __slots__ = ("attention_scaling", "interleaved", "inv_freq", "mrope_section")
+
+    def __init__(
+        self, inv_freq: torch.Tensor, mrope_section: tuple[int, int, int], interleaved: bool, attention_scaling: float
+    ):
+        self.inv_freq = inv_freq
+        self.mrope_section = mrope_section
+        self.interleaved = interleaved
+        self.attention_scaling = attention_scaling
 
 
-@dataclasses.dataclass(frozen=True)
 class VisionRopeArgs:
     """What vision attention needs for `apply_vision_rope`; travels in the `sin` slot next to the integer
-    [row, col] positions (N, 2). inv_freq: fp32 (head_dim/4,)."""
+    [row, col] positions (N, 2). inv_freq: fp32 (head_dim/4,). A plain class for the reason MRopeArgs is."""
 
-    inv_freq: torch.Tensor
+    __slots__ = ("inv_freq",)
+
+    def __init__(self, inv_freq: torch.Tensor):
+        self.inv_freq = inv_freq
 
 
 @dataclasses.dataclass(frozen=True)
@@ -327,13 +335,11 @@ def _text_rotary_forward(path: str, module: torch.nn.Module, family: _Family) ->
     flavour = f"text mRoPE {layout} {list(section)}, R={2 * half} of D={head_dim}"
     args = dict(mrope_section=section, interleaved=family.interleaved, attention_scaling=scaling)
 
-    exact_inv_freq = _exact_inv_freq(module, "compute_default_rope_parameters")
-
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, MRopeArgs]:
         """x: the hidden states (device only); position_ids: int (3, B, S) or (B, S). Returns the positions
         as (3, B, S) and the kernel arguments, in place of (cos, sin). The default rope type has nothing for
         `dynamic_rope_update` to do, so inv_freq is read as is."""
-        inv_freq = _fp32_inv_freq(self.inv_freq, exact_inv_freq, x.device)
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
         return position_ids.expand(3, -1, -1), MRopeArgs(inv_freq=inv_freq, **args)
 
     return types.MethodType(forward, module), flavour
@@ -346,31 +352,12 @@ def _vision_rotary_forward(path: str, module: torch.nn.Module) -> tuple[types.Me
     _scaling_of(path, module)
     head_dim = 4 * module.inv_freq.shape[-1]
 
-    exact_inv_freq = _exact_inv_freq(module, "compute_axial_rope_parameters")
-
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, VisionRopeArgs]:
         """x: the patch embeddings (device only); position_ids: int (N, 2) [row, col]. Returns the positions
         and the kernel arguments in place of (cos, sin)."""
-        return position_ids, VisionRopeArgs(inv_freq=_fp32_inv_freq(self.inv_freq, exact_inv_freq, x.device))
+        return position_ids, VisionRopeArgs(inv_freq=self.inv_freq.to(device=x.device, dtype=torch.float32))
 
     return types.MethodType(forward, module), f"vision 2-D rope, D={head_dim}"
-
-
-def _exact_inv_freq(module: torch.nn.Module, init_fn: str) -> torch.Tensor:
-    """fp32 inv_freq kept outside the module's buffers: the buffer itself while it is fp32, else recomputed from the
-    config with the module's own init function. Mixed-precision wrappers (FSDP2's) cast buffers to bf16, which
-    would round the frequencies; the kernels then use these exact values instead."""
-    if module.inv_freq.dtype == torch.float32:
-        return module.inv_freq.detach().clone()
-    inv_freq, _ = getattr(module, init_fn)(module.config)
-    return inv_freq.float()
-
-
-def _fp32_inv_freq(buffer: torch.Tensor, exact: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """The rotary buffer on `device` when it is still fp32 (the usual case: no copy), else the exact fp32 values."""
-    if buffer.dtype == torch.float32:
-        return buffer.to(device=device)
-    return exact.to(device=device)
 
 
 def _permute_passing_rope_args(self, input_tensor, window_index: torch.Tensor, seq_len: int):

@@ -404,18 +404,19 @@ def test_deep_copy_of_patched_model_is_patched_and_independent(reference_ops):
     assert_outputs_equal(forward_backward(clone, batch), expected)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
-def test_rotary_buffers_cast_to_bf16_keep_exact_frequencies(family, reference_ops):
-    """A mixed-precision wrapper (FSDP2) casting the rotary buffers to bf16 changes nothing: the patch rotates
-    with the exact fp32 frequencies, so outputs and gradients stay bit-identical."""
-    model = tiny_model(family)
+def test_rope_args_survive_mixed_precision_input_casting(reference_ops):
+    """FSDP2's mixed precision casts each wrapped block's floating-point inputs (through tuples and dataclasses)
+    to bf16; the rotary frequencies travelling in position_embeddings stay fp32 and exact."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    model = tiny_model("qwen3_vl")
     patch_model(model)
-    batch = image_batch(model)
-    expected = forward_backward(model, batch)
-    for module in model.modules():
-        if isinstance(getattr(module, "inv_freq", None), torch.Tensor):
-            module.inv_freq = module.inv_freq.to(torch.bfloat16)
-    assert_outputs_equal(forward_backward(model, batch), expected)
+    rotary = model.model.language_model.rotary_emb
+    positions = torch.arange(6).view(1, 1, 6).expand(3, 1, 6)
+    embeddings = rotary(torch.zeros(1, 6, 4), positions)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, embeddings)
+    assert cast[1].inv_freq.dtype == torch.float32
+    assert torch.equal(cast[1].inv_freq, rotary.inv_freq)
     unpatch_model(model)
 
 
