@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-gpu lint format bench smoke-test compare inspect-data verify-packing clean
+.PHONY: help install test test-gpu gpu-suite lint format bench smoke-test compare inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -24,6 +24,9 @@ test: install  ## run the test suite (CPU: Triton kernels under TRITON_INTERPRET
 
 test-gpu:  ## run only the GPU-marked tests (on a CUDA machine, with the system python)
 	$(PY) -m pytest -q -m gpu tests
+
+gpu-suite:  ## every GPU check and benchmark in one go (logs and JSON in artifacts/gpu-suite)
+	bash scripts/gpu_suite.sh artifacts/gpu-suite
 
 lint: install  ## ruff, line length 120
 	$(VENV)/bin/ruff check .
