@@ -5,7 +5,8 @@
   so `fullgraph=True` traces it); in eager mode its twin autograd.Function, which runs the same kernels without
   the dispatcher's per-call host cost;
 - `inplace=True`: an autograd.Function that rotates lanes [0, R) of q and k in place (the mutating custom op
-  `mrope_kernels::rope_` under torch.compile) and marks them dirty.
+  `mrope_kernels::rope_` under torch.compile) and marks them dirty; for views that need gradients (autograd cannot
+  mark two views dirty from one Function) the out-of-place rotation is written back into the rotary lanes.
 Every backward is the forward kernel with the angle negated (CONJUGATE); only positions and inv_freq are saved.
 
 Dispatch: CUDA tensors run the Triton kernel; CPU tensors run it under TRITON_INTERPRET=1, otherwise the
@@ -14,6 +15,7 @@ plain-PyTorch reference (`mrope_kernels.reference`) with the same math.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -151,26 +153,10 @@ def _rotate_in_place(q, k, positions, inv_freq, layout, sections, scaling, conju
         _rotate_into(q, k, q, k, positions, inv_freq, layout, sections, scaling, conjugate)
 
 
-def _is_dense_permutation(x: torch.Tensor) -> bool:
-    """True when x's elements tile its memory exactly once (a contiguous tensor or a transpose of one)."""
-    expected_stride = 1
-    for size, stride in sorted((d for d in zip(x.shape, x.stride()) if d[0] != 1), key=lambda d: d[1]):
-        if stride != expected_stride:
-            return False
-        expected_stride *= size
-    return True
-
-
-def _writable_gradient(grad: torch.Tensor) -> torch.Tensor:
-    """The gradient itself when the kernel may rotate it in place, else a contiguous copy (expanded or strided)."""
-    if grad.stride(-1) == 1 and _is_dense_permutation(grad):
-        return grad
-    return grad.contiguous()
-
-
 class _RopeInplace(torch.autograd.Function):
-    """In-place forward (marks q, k dirty). The backward rotates the incoming gradients in place by -angle, as
-    flash-attention's in-place rotary does: lanes [R, D) of the gradient are the identity and stay untouched."""
+    """In-place forward (marks q, k dirty). The backward rotates the incoming gradients by -angle into new tensors:
+    gradients may be shared with other branches of the graph or be the caller's grad_outputs, so they are never
+    written; lanes [R, D) of the gradient pass through (the identity)."""
 
     @staticmethod
     def forward(ctx, q, k, positions, inv_freq, layout, sections, scaling):
@@ -183,17 +169,50 @@ class _RopeInplace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_q, grad_k):
         positions, inv_freq = ctx.saved_tensors
-        grad_q, grad_k = _writable_gradient(grad_q), _writable_gradient(grad_k)
-        _rotate_in_place(grad_q, grad_k, positions, inv_freq, *ctx.static_args, True)
+        grads = (_contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq)
+        if torch.compiler.is_compiling():  # the traceable out-of-place op
+            grad_q, grad_k = _rope(*grads, *ctx.static_args, True)
+        else:
+            grad_q, grad_k = _rotated(*grads, *ctx.static_args, True)
         return grad_q, grad_k, None, None, None, None, None
 
 
 def _rotate(q, k, positions, inv_freq, layout, sections, scaling, inplace):
+    if inplace and torch.compiler.is_compiling():  # functionalization handles in-place writes to views
+        return _RopeInplace.apply(q, k, positions, inv_freq, layout, sections, scaling)
     if inplace:
+        _check_in_place_target(q, k)
+        if torch.is_grad_enabled() and (q._is_view() or k._is_view()) and (q.requires_grad or k.requires_grad):
+            # autograd cannot mark two views dirty from one Function: rotate out of place, then write only the
+            # rotary lanes back through the views, which autograd records like any slice assignment.
+            q_out, k_out = _RopeFunction.apply(q, k, positions, inv_freq, layout, sections, scaling)
+            rotary_dim = _rotary_dim(layout, inv_freq)
+            q[..., :rotary_dim] = q_out[..., :rotary_dim]
+            k[..., :rotary_dim] = k_out[..., :rotary_dim]
+            return q, k
         return _RopeInplace.apply(q, k, positions, inv_freq, layout, sections, scaling)
     if torch.compiler.is_compiling():
         return _rope(q, k, positions, inv_freq, layout, sections, scaling, False)
     return _RopeFunction.apply(q, k, positions, inv_freq, layout, sections, scaling)
+
+
+def _rotary_dim(layout: int, inv_freq: torch.Tensor) -> int:
+    return 4 * inv_freq.numel() if layout == triton_rope.LAYOUT_VISION else 2 * inv_freq.numel()
+
+
+def _check_in_place_target(q: torch.Tensor, k: torch.Tensor) -> None:
+    """In-place rotation refuses what PyTorch's own in-place ops refuse, before anything is written."""
+    for name, x in (("q", q), ("k", k)):
+        if torch.is_grad_enabled() and x.is_leaf and x.requires_grad:
+            raise RuntimeError(
+                f"inplace=True on {name}, a leaf tensor that requires grad: rotate a non-leaf (e.g. the projection "
+                "output) or use inplace=False"
+            )
+        if any(stride == 0 and size > 1 for size, stride in zip(x.shape, x.stride())):
+            raise ValueError(
+                f"inplace=True on {name}, whose elements overlap in memory (expanded or stride-0): rotating it in "
+                "place would race; use inplace=False or .contiguous() first"
+            )
 
 
 def apply_mrope(
@@ -212,8 +231,8 @@ def apply_mrope(
     with a contiguous last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
     inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
     attention_scaling multiplies cos and sin. Returns (q_out, k_out) in the input dtype; with inplace=True,
-    q and k themselves (only lanes [0, R) written; the backward then also rotates the incoming gradient in place,
-    as flash-attention's in-place rotary does). Differentiable in q and k, not in positions or inv_freq.
+    q and k themselves (only lanes [0, R) written; not a leaf that requires grad, not overlapping memory).
+    Differentiable in q and k, not in positions or inv_freq; incoming gradients are never modified.
     """
     sections = _check_sections(mrope_section, inv_freq)
     _check_pair(q, k, inv_freq, positions)
@@ -227,6 +246,8 @@ def apply_mrope(
     if rotary_dim > q.shape[-1]:
         raise ValueError(f"rotary dim R = 2*len(inv_freq) = {rotary_dim} exceeds head_dim {q.shape[-1]}")
     layout = triton_rope.LAYOUT_INTERLEAVED if interleaved else triton_rope.LAYOUT_CHUNKED
+    if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, int | float):
+        raise ValueError(f"attention_scaling must be a number (1.0 for the default rope), got {attention_scaling!r}")
     return _rotate(q, k, positions, inv_freq, layout, sections, float(attention_scaling), inplace)
 
 
@@ -252,8 +273,11 @@ def apply_vision_rope(
 
 
 def _check_sections(mrope_section: Sequence[int], inv_freq: torch.Tensor) -> list[int]:
-    sections = list(mrope_section)
-    if len(sections) != 3 or any(not isinstance(s, int) or s < 0 for s in sections):
+    try:
+        sections = [operator.index(s) for s in mrope_section]
+    except TypeError:
+        sections = None
+    if sections is None or len(sections) != 3 or any(s < 0 for s in sections):
         raise ValueError(f"mrope_section must be 3 non-negative ints [temporal, height, width], got {mrope_section}")
     if sum(sections) != inv_freq.numel():
         raise ValueError(
@@ -265,6 +289,9 @@ def _check_sections(mrope_section: Sequence[int], inv_freq: torch.Tensor) -> lis
 
 def _check_pair(q: torch.Tensor, k: torch.Tensor, inv_freq: torch.Tensor, positions: torch.Tensor) -> None:
     """Checks shared by both ops: shapes, dtypes, devices, strides."""
+    for name, x in (("q", q), ("k", k), ("positions", positions), ("inv_freq", inv_freq)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     q_shape, k_shape = tuple(q.shape), tuple(k.shape)
     if len(q_shape) not in (3, 4) or len(k_shape) != len(q_shape):
         raise ValueError(f"q and k must both be (T, H, D) or (B, S, H, D), got {q_shape} and {k_shape}")

@@ -344,6 +344,66 @@ def test_inplace_partial_rotary_touches_only_rotary_lanes_and_backprops():
     assert_matches(dk, ref_dk, "in-place k gradient")
 
 
+def test_inplace_backward_leaves_incoming_gradients_alone():
+    """In-place rope never writes the gradients it receives: the caller's grad_outputs stay as they were, and a
+    gradient shared with another branch of the graph reaches that branch unrotated."""
+    torch.manual_seed(7)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    positions = text_positions((9,), 500)
+    q = torch.randn(9, 2, 64, device=DEVICE, requires_grad=True)
+    k = torch.randn(9, 1, 64, device=DEVICE, requires_grad=True)
+    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
+    kept_q = grad_q.clone()
+    out = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12], inplace=True)
+    in_place_grads = torch.autograd.grad(out, (q, k), (grad_q, grad_k))
+    assert torch.equal(grad_q, kept_q)
+    out = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12])
+    torch.testing.assert_close(in_place_grads, torch.autograd.grad(out, (q, k), (grad_q, grad_k)))
+
+    other = torch.randn_like(q, requires_grad=True)
+    out_q, _ = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12], inplace=True)
+    weights = torch.randn_like(q)
+    ((out_q + 2.0 * other) * weights).sum().backward()
+    torch.testing.assert_close(other.grad, 2.0 * weights)
+
+
+def test_inplace_on_views_that_need_gradients():
+    """In-place rope on transposed and sliced views that require grad (what transformers hands over) returns the
+    views themselves, rotated as out of place, with the same gradients; a leaf that requires grad is refused
+    before anything is written, and so is memory that overlaps itself."""
+    torch.manual_seed(8)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    positions = text_positions((1, 7), 500)
+    base_q = torch.randn(1, 2, 7, 128, device=DEVICE, requires_grad=True)  # (B, H, S, 2D): q and gate halves
+    base_k = torch.randn(1, 1, 7, 64, device=DEVICE, requires_grad=True)
+
+    def views():
+        # a slice, not chunk(): PyTorch forbids in-place writes to outputs of multi-view functions like chunk
+        q = (base_q * 1.0).transpose(1, 2)[..., :64]
+        return q, (base_k * 1.0).transpose(1, 2)
+
+    expected = apply_mrope(*views(), positions, inv_freq, [8, 12, 12])
+    q, k = views()
+    out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], inplace=True)
+    assert out[0] is q and out[1] is k
+    torch.testing.assert_close(out, expected)
+    weights = torch.randn_like(expected[0])
+    grads = torch.autograd.grad((out[0] * weights).sum() + out[1].sum(), (base_q, base_k))
+    expected_grads = torch.autograd.grad((expected[0] * weights).sum() + expected[1].sum(), (base_q, base_k))
+    torch.testing.assert_close(grads, expected_grads)
+
+    leaf = torch.randn(7, 2, 64, device=DEVICE, requires_grad=True)
+    before = leaf.detach().clone()
+    with pytest.raises(RuntimeError, match="leaf"):
+        apply_mrope(leaf, torch.randn(7, 1, 64, device=DEVICE), positions[:, 0], inv_freq, [8, 12, 12], inplace=True)
+    assert torch.equal(leaf.detach(), before)
+    expanded = torch.randn(1, 2, 64, device=DEVICE).expand(7, 2, 64)
+    with pytest.raises(ValueError, match="overlap"):
+        apply_mrope(
+            expanded, torch.randn(7, 1, 64, device=DEVICE), positions[:, 0], inv_freq, [8, 12, 12], True, 1.0, True
+        )
+
+
 def test_torch_compile_fullgraph_traces_without_graph_break():
     """torch.compile(fullgraph=True) traces apply_mrope and apply_vision_rope (custom ops with fake impls and
     registered autograd) and gives the eager results, forward and backward."""
@@ -416,6 +476,8 @@ def _good_text():
         ({"q": torch.randn(5, 64, 2).transpose(1, 2)}, "contiguous last"),
         ({"k": torch.randn(6, 1, 64)}, "share leading"),
         ({"k": torch.randn(1, 5, 1, 64)}, "both be"),
+        ({"mrope_section": None}, "3 non-negative ints"),
+        ({"positions": [[0] * 5] * 3}, "must be a torch.Tensor"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
