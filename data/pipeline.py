@@ -207,6 +207,9 @@ class _EpochBatches(IterableDataset):
 
 def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool) -> PackItem | None:
     if row["skip_reason"]:
+        if raise_errors:  # the processed-dataset cache keeps skips from earlier `on_error: skip` runs
+            detail = f"{row['skip_reason']}: {row['skip_detail']}"
+            raise ValueError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
         stats.skip(row["skip_reason"], row["sample_id"], row["skip_detail"])
         return None
     if row["length"] > max_tokens:

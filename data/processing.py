@@ -62,6 +62,19 @@ def _skipped(sample_id: str, error: SampleError) -> dict:
     }
 
 
+def _parsed(record: Mapping) -> Mapping:
+    """The record itself, or the JSON object a raw-line column holds; a malformed line is an unknown format."""
+    if RECORD_JSON_COLUMN not in record:
+        return record
+    try:
+        parsed = json.loads(record[RECORD_JSON_COLUMN])
+    except json.JSONDecodeError as error:
+        raise SampleError("unknown_format", f"the line is not valid JSON ({error})") from None
+    if not isinstance(parsed, dict):
+        raise SampleError("unknown_format", f"the line is JSON {type(parsed).__name__}, not an object")
+    return parsed
+
+
 class SampleProcessor:
     """Picklable per-record function for `datasets.map(..., with_indices=True)`.
 
@@ -95,10 +108,10 @@ class SampleProcessor:
         return {**self.__dict__, "_rope_index": None}
 
     def __call__(self, record: Mapping, index: int) -> dict:
-        if RECORD_JSON_COLUMN in record:
-            record = json.loads(record[RECORD_JSON_COLUMN])
-        sample_id = str(record.get("id", index))
+        sample_id = str(index)
         try:
+            record = _parsed(record)
+            sample_id = str(record.get("id", index))
             return self.process(record, sample_id)
         except SampleError as error:
             if self.raise_errors:
@@ -138,13 +151,16 @@ class SampleProcessor:
         patch, merge = image_processor.patch_size, image_processor.merge_size
         grids = []
         for image in images:
-            height, width = smart_resize(
-                image.height,
-                image.width,
-                factor=patch * merge,
-                min_pixels=size["shortest_edge"],
-                max_pixels=size["longest_edge"],
-            )
+            try:
+                height, width = smart_resize(
+                    image.height,
+                    image.width,
+                    factor=patch * merge,
+                    min_pixels=size["shortest_edge"],
+                    max_pixels=size["longest_edge"],
+                )
+            except ValueError as error:  # e.g. an aspect ratio beyond 200: the processor cannot use the image
+                raise SampleError("corrupt_image", f"{image.width}x{image.height} image: {error}") from None
             grids.append([1, height // patch, width // patch])
         return grids
 
@@ -160,6 +176,8 @@ class SampleProcessor:
         for turn, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
+            if turn == 0:
+                raise SampleError("unknown_format", "the conversation opens with an assistant turn: nothing prompts it")
             prompt = template(messages[:turn], tokenize=False, add_generation_prompt=True)
             through = template(messages[: turn + 1], tokenize=False)
             if not (full.startswith(through) and through.startswith(prompt) and len(prompt) >= cursor):

@@ -236,6 +236,41 @@ def test_on_error_raise_names_the_sample(tmp_path, cache):
         build(cfg)
 
 
+def test_more_bad_inputs_are_skips_not_crashes(tmp_path, cache):
+    """A conversation opening with the assistant, an image no processor can resize (aspect ratio 250), a truncated
+    JSONL line and a line that is not a JSON object are counted skips; the good records all survive."""
+    from PIL import Image
+
+    good = good_records(tmp_path)
+    single = next(r for r in good if isinstance(r.get("image"), str))
+    sliver = tmp_path / "sliver.png"
+    Image.new("RGB", (2000, 8), "red").save(sliver)
+    turns = single["conversations"]
+    lines = [json.dumps(r) for r in good]
+    lines += [
+        json.dumps({"id": "bad-first", "conversations": [turns[1], {"from": "human", "value": "and?"}]}),
+        json.dumps({**single, "id": "bad-sliver", "image": str(sliver)}),
+        '{"id": "bad-truncated", "conversations": [ {"from": "human"',
+        "[1, 2, 3]",
+    ]
+    (tmp_path / "more.jsonl").write_text("\n".join(lines) + "\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'more.jsonl'}", "data.eval_fraction=0")
+    _, _, stats, _, _ = build(cfg)
+    assert dict(stats.skipped) == {"unknown_format": 3, "corrupt_image": 1}
+    assert stats.kept_train == len(good)
+
+
+def test_on_error_raise_is_not_bypassed_by_the_cache(tmp_path, cache):
+    """A run with data.on_error=raise fails on a bad record even when an earlier on_error=skip run cached it."""
+    good = good_records(tmp_path)
+    lines = [json.dumps(r) for r in good] + [json.dumps(bad_records(tmp_path, good)["missing_image"])]
+    (tmp_path / "cached.jsonl").write_text("\n".join(lines) + "\n")
+    overrides = (f"data.path={tmp_path / 'cached.jsonl'}", "data.eval_fraction=0")
+    assert build(recipe("tiny-qwen2_5_vl", cache, *overrides))[2].skipped["missing_image"] == 1
+    with pytest.raises(ValueError, match="bad-missing"):
+        build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.on_error=raise"))
+
+
 def test_streaming_matches_in_memory(tmp_path, cache):
     """Streaming mode plans the same set of samples as the in-memory mode, and counts skips the same way."""
     good = good_records(tmp_path)
