@@ -1,11 +1,8 @@
 """The offline tiny processor: a BPE tokenizer trained here, the Qwen chat template, the family's image processor.
 
-Why image-only processor classes: every Qwen-VL processor class takes a video processor, and transformers' video
-processors need torchvision, which has no build matching our torch. `Qwen2VLImageOnlyProcessor` (and the 2.5 / 3
-variants) subclass the family's processor and drop the `video_processor` attribute from `__init__`, which is how
-`ProcessorMixin` discovers its parts; everything image- and text-related is the family's own code. They are
-registered with `AutoProcessor`, so `AutoProcessor.from_pretrained(dir)` loads a saved tiny processor (after
-`import data.tiny_processor`, which `data.pipeline` does). The pipeline uses images only, never videos.
+The processor classes are the image-only ones of data/image_only_processor.py (no torchvision needed); a saved tiny
+processor carries that file, so it loads with `AutoProcessor.from_pretrained(dir, trust_remote_code=True)`
+anywhere, and without the flag in a process that imported this package. The pipeline uses images only.
 """
 
 from __future__ import annotations
@@ -15,19 +12,13 @@ import os
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import (
-    AutoProcessor,
-    PretrainedConfig,
-    PreTrainedTokenizerFast,
-    Qwen2_5_VLConfig,
-    Qwen2_5_VLProcessor,
-    Qwen2VLConfig,
-    Qwen2VLImageProcessorPil,
-    Qwen2VLProcessor,
-    Qwen3VLConfig,
-    Qwen3VLProcessor,
-)
+from transformers import AutoProcessor, PretrainedConfig, PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
+from data.image_only_processor import (
+    Qwen2_5_VLImageOnlyProcessor,
+    Qwen2VLImageOnlyProcessor,
+    Qwen3VLImageOnlyProcessor,
+)
 from data.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.synthetic import corpus_texts
 
@@ -54,27 +45,6 @@ QWEN_CHAT_TEMPLATE = (
 TINY_MIN_TOKENS, TINY_MAX_TOKENS = 16, 256  # LLM tokens per image after the 2x2 merge
 
 
-class Qwen2VLImageOnlyProcessor(Qwen2VLProcessor):
-    """Qwen2VLProcessor without a video processor (no torchvision needed)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-class Qwen2_5_VLImageOnlyProcessor(Qwen2_5_VLProcessor):
-    """Qwen2_5_VLProcessor without a video processor (no torchvision needed)."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-class Qwen3VLImageOnlyProcessor(Qwen3VLProcessor):
-    """Qwen3VLProcessor (used by Qwen3-VL, Qwen3-VL-MoE, Qwen3.5, Qwen3.5-MoE) without a video processor."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
 PROCESSOR_FOR_MODEL_TYPE = {
     "qwen2_vl": Qwen2VLImageOnlyProcessor,
     "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
@@ -83,12 +53,6 @@ PROCESSOR_FOR_MODEL_TYPE = {
     "qwen3_5": Qwen3VLImageOnlyProcessor,
     "qwen3_5_moe": Qwen3VLImageOnlyProcessor,
 }
-for _config_class, _processor_class in (
-    (Qwen2VLConfig, Qwen2VLImageOnlyProcessor),
-    (Qwen2_5_VLConfig, Qwen2_5_VLImageOnlyProcessor),
-    (Qwen3VLConfig, Qwen3VLImageOnlyProcessor),
-):
-    AutoProcessor.register(_config_class, _processor_class, exist_ok=True)
 
 
 def train_tiny_tokenizer(texts: list[str], vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:

@@ -4,7 +4,10 @@ the vision tower on text-only packs, and the MFU FLOP count against a hand count
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -180,8 +183,34 @@ def test_export_loads_and_generates(finished_run):
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many circles?"}]}]
     prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
     inputs = processor(text=[prompt], images=[Image.new("RGB", (112, 112), "white")], return_tensors="pt")
+    assert {"pixel_values", "image_grid_thw"} <= set(inputs)
     generated = model.generate(**inputs, min_new_tokens=3, max_new_tokens=3, do_sample=False)
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
+
+
+EXPORT_LOADER = """
+import sys
+from PIL import Image
+from transformers import AutoProcessor
+processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
+messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "How many circles?"}]}]
+prompt = processor.apply_chat_template(messages, add_generation_prompt=True)
+inputs = processor(text=[prompt], images=[Image.new("RGB", (112, 112), "white")], return_tensors="pt")
+print(sorted(inputs))
+"""
+
+
+def test_export_processor_loads_without_this_repository(finished_run, tmp_path):
+    """In a fresh interpreter that cannot import this repository, the exported processor (the tiny image-only one,
+    shipped as custom code) loads through AutoProcessor and still turns images into pixel_values."""
+    _, summary = finished_run
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    result = subprocess.run(
+        [sys.executable, "-c", EXPORT_LOADER, str(Path(summary["export_dir"]).resolve())],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "'image_grid_thw'" in result.stdout and "'pixel_values'" in result.stdout
 
 
 # ----- loss normalisation and the vision tower, on hand-made packs -----
