@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import sys
 from pathlib import Path
@@ -89,6 +90,11 @@ def main(argv: list[str] | None = None) -> dict:
         start_step, data_state = checkpointer.load(resume_from)
         train_loader.load_state_dict(data_state)
         log.info("resumed from %s at step %d", resume_from, start_step)
+    if start_step >= cfg.train.max_steps:  # a finished run: keep its summary and export as they are
+        log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
+        accelerator.end_training()
+        summary_file = run_dir / "summary.json"
+        return json.loads(summary_file.read_text()) if summary_file.is_file() else {"steps": start_step}
 
     result = loop.train(
         cfg,

@@ -108,6 +108,16 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
     assert wandb_run.is_dir() and wandb_run.name.startswith("offline-run-") and wandb_run.parent == out / "wandb"
 
 
+def test_resume_of_a_finished_run_keeps_its_results(finished_run, data_cache, tmp_path):
+    """--resume on a run that already reached train.max_steps trains nothing and leaves summary.json as it was."""
+    out, summary = finished_run
+    again = tmp_path / "again"
+    shutil.copytree(out / "checkpoints" / "step_00000004", again / "checkpoints" / "step_00000004")
+    (again / "summary.json").write_text(json.dumps(summary))
+    assert run_train(again, data_cache, "checkpoint.export=false", resume=True) == summary
+    assert json.loads((again / "summary.json").read_text()) == summary
+
+
 def test_resume_gives_the_same_losses(finished_run, data_cache, tmp_path):
     """Stopping after step 2 and resuming with --resume reproduces steps 3-4 of the uninterrupted run exactly
     (model, optimizer, scheduler, RNG and data position all restored)."""
