@@ -64,6 +64,10 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
         image_root = data_cfg.image_root or os.path.abspath(path)
     suffix = Path(path).suffix.lower()
     if local and os.path.isfile(path) and suffix in (".json", ".jsonl"):
+        with open(path) as handle:
+            head = handle.read(1024).strip()
+        if head in ("", "[]"):
+            raise ValueError(f"data.path {path} holds no records: point it at a JSON list or JSONL file of samples.")
         stat = os.stat(path)
         kwargs = {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
         if streaming:

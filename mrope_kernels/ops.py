@@ -118,6 +118,7 @@ class _RopeFunction(torch.autograd.Function):
         return _rotated(q, k, positions, inv_freq, layout, sections, scaling, False)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernel's backward is not itself differentiable: say so
     def backward(ctx, grad_q, grad_k):
         positions, inv_freq = ctx.saved_tensors
         grad_q, grad_k = _rotated(
@@ -167,6 +168,7 @@ class _RopeInplace(torch.autograd.Function):
         return q, k
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the kernel's backward is not itself differentiable: say so
     def backward(ctx, grad_q, grad_k):
         positions, inv_freq = ctx.saved_tensors
         grads = (_contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq)

@@ -260,6 +260,14 @@ def test_more_bad_inputs_are_skips_not_crashes(tmp_path, cache):
     assert stats.kept_train == len(good)
 
 
+def test_empty_data_file_is_a_clear_error(tmp_path, cache):
+    """A JSONL file (or JSON list) with no records fails with an error naming data.path, not deep in datasets."""
+    for name, text in (("empty.jsonl", ""), ("empty.json", " []\n")):
+        (tmp_path / name).write_text(text)
+        with pytest.raises(ValueError, match="holds no records"):
+            build(recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / name}"))
+
+
 def test_on_error_raise_is_not_bypassed_by_the_cache(tmp_path, cache):
     """A run with data.on_error=raise fails on a bad record even when an earlier on_error=skip run cached it."""
     good = good_records(tmp_path)

@@ -404,6 +404,18 @@ def test_inplace_on_views_that_need_gradients():
         )
 
 
+def test_second_order_gradients_are_refused_not_silently_wrong():
+    """The kernel's backward is not differentiable: differentiating through it again raises instead of returning a
+    gradient that silently lacks its second-order terms."""
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    q = torch.randn(5, 2, 64, device=DEVICE, requires_grad=True)
+    k = torch.randn(5, 1, 64, device=DEVICE, requires_grad=True)
+    out_q, _ = apply_mrope(q, k, text_positions((5,), 100), inv_freq, [8, 12, 12])
+    (grad_q,) = torch.autograd.grad((out_q**2).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        grad_q.sum().backward()
+
+
 def test_torch_compile_fullgraph_traces_without_graph_break():
     """torch.compile(fullgraph=True) traces apply_mrope and apply_vision_rope (custom ops with fake impls and
     registered autograd) and gives the eager results, forward and backward."""
