@@ -2,7 +2,7 @@
 
 `get_rope_index` (and the `get_vision_position_ids` it calls) read nothing from the model but `self.config`, so an
 instance of the family's inner model class with only `nn.Module` state and the config runs the real method.
-tests/test_data_positions.py checks the result equals a real tiny model's `model.model.get_rope_index`.
+tests/test_data_pipeline.py checks the result equals a real tiny model's `model.model.get_rope_index`.
 """
 
 from __future__ import annotations

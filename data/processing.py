@@ -184,8 +184,7 @@ class SampleProcessor:
                 raise SampleError(
                     "unknown_format",
                     f"the chat template's rendering of turns 1..{turn} is not a prefix of turns 1..{turn + 1}, so the "
-                    "assistant reply cannot be located (a conversation opening with an assistant turn, or a template "
-                    "that rewrites earlier turns)",
+                    "assistant reply cannot be located (a template that rewrites earlier turns)",
                 )
             end = len(through.rstrip("\n"))
             segments += [(full[cursor : len(prompt)], False), (full[len(prompt) : end], True)]

@@ -14,10 +14,8 @@ SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 TINY_TOKEN_IDS = {token: i for i, token in enumerate(SPECIAL_TOKENS)}
-PAD_ID = TINY_TOKEN_IDS["<|endoftext|>"]
 EOS_ID = TINY_TOKEN_IDS["<|im_end|>"]
 VISION_START_ID = TINY_TOKEN_IDS["<|vision_start|>"]
 VISION_END_ID = TINY_TOKEN_IDS["<|vision_end|>"]
 IMAGE_TOKEN_ID = TINY_TOKEN_IDS["<|image_pad|>"]
-VIDEO_TOKEN_ID = TINY_TOKEN_IDS["<|video_pad|>"]
 TINY_VOCAB_SIZE = 2048  # the tiny tokenizer's size, special tokens included; tiny model configs use this vocab_size

@@ -70,12 +70,6 @@ def _plural(noun: str, count: int) -> str:
     return noun if count == 1 else noun + "s"
 
 
-def _region_of(center: tuple[int, int], size: tuple[int, int]) -> str:
-    vertical = "top" if center[1] < size[1] / 2 else "bottom"
-    horizontal = "left" if center[0] < size[0] / 2 else "right"
-    return f"{vertical} {horizontal}"
-
-
 def _place_shapes(rng: random.Random, size: tuple[int, int], count: int, kind: str, color: str) -> list[Shape]:
     """`count` non-overlapping shapes on a grid of cells, so counting them is unambiguous."""
     cols, rows = 3, 3
@@ -239,6 +233,8 @@ def write_builtin_dataset(directory: str | os.PathLike, num_samples: int, seed: 
         staging.rename(directory)
     except OSError:  # another process finished first; its copy is identical
         shutil.rmtree(staging, ignore_errors=True)
+        if not data_file.exists():
+            raise
     return data_file
 
 

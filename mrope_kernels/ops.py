@@ -45,7 +45,7 @@ def _rotate_into(q, k, q_out, k_out, positions, inv_freq, layout, sections, scal
         interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
         rq, rk = apply_mrope_reference(q, k, signed_positions, inv_freq, sections, interleaved, scaling)
     if q_out.data_ptr() == q.data_ptr():
-        rotary_dim = 2 * inv_freq.numel() if layout != triton_rope.LAYOUT_VISION else 4 * inv_freq.numel()
+        rotary_dim = _rotary_dim(layout, inv_freq)
         q[..., :rotary_dim].copy_(rq[..., :rotary_dim])
         k[..., :rotary_dim].copy_(rk[..., :rotary_dim])
     else:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from training import metrics, packed
+from training import metrics, optim, packed
 from training.checkpoint import Checkpointer
 from training.config import Config
 
@@ -306,8 +306,6 @@ def train(
         (lambda b: cfg.packing.max_tokens) if cfg.packing.mode == "packed" else (lambda b: b["input_ids"].numel())
     )
     params = [p for p in module.parameters() if p.requires_grad]
-    group_names = [group.get("name", "") for group in optimizer.param_groups]
-    llm_group = group_names.index("llm") if "llm" in group_names else 0  # the logged lr is train.lr's schedule
     metrics_file = run_dir / "metrics.jsonl"
     if start_step == 0 and accelerator.is_main_process:
         metrics_file.unlink(missing_ok=True)  # a fresh run in an old directory starts a fresh record; resumes append
@@ -364,7 +362,9 @@ def train(
             record = _log_interval(
                 accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
             )
-            record.update(step=step, lr=scheduler.get_last_lr()[llm_group])
+            # train.lr on its schedule, whichever parts train (the per-part groups scale the same schedule)
+            lr = tcfg.lr * optim.lr_multiplier(step, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
+            record.update(step=step, lr=lr)
             result.logged.append(record)
             _emit(accelerator, record, metrics_file, bar)
             counts = metrics.IntervalCounts()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from torch import nn
 
-PARTS = ("vision", "merger", "llm")
 MERGER_NAMES = ("merger", "deepstack_merger_list")
 
 
