@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-gpu gpu-suite lint format bench smoke-test compare inspect-data verify-packing clean
+.PHONY: help install test test-gpu gpu-suite lint format bench smoke-test compare profile inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -50,6 +50,9 @@ verify-packing:  ## packed vs per-sample forward+backward on a recipe's model an
 
 compare:  ## wandb throughput comparison: fused vs unfused rope (and packed vs padded)
 	$(PY) scripts/compare_throughput.py --config $(CONFIG) $(ARGS)
+
+profile:  ## torch.profiler on a few training steps: top kernels, device time by category, trace (artifacts/profile)
+	$(PY) scripts/profile_step.py --config $(CONFIG) $(ARGS)
 
 clean:  ## remove caches and run outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache artifacts runs wandb

@@ -8,6 +8,11 @@ works: replan the epoch from its seed and skip the steps already taken.
   split (a sample longer than the budget is rejected before it gets here).
 - `deal_steps`: packs grouped into steps of `world_size` packs (one per rank) with similar cost, cost = LLM tokens
   + vision_cost_weight × ViT patches, so no rank waits on another's bigger pack or bigger images.
+- `whole_groups`: those steps in whole groups of `grad_accum_steps` (the micro-steps of one optimizer step), so an
+  optimizer step never mixes two epochs.
+
+Packs left at an epoch's end by either (too few to fill one more step) are counted in a `Leftover`, like
+DataLoader's drop_last but never silently.
 """
 
 from __future__ import annotations
@@ -74,19 +79,37 @@ def pack_stream(items: Iterable[PackItem], capacity: int, buffer_size: int) -> I
         yield from best_fit_decreasing(buffer, capacity)
 
 
+@dataclass
+class Leftover:
+    """Packs an epoch's plan leaves out at its end, and their tokens."""
+
+    packs: int = 0
+    tokens: int = 0
+
+    def add(self, packs: Iterable[Pack]) -> None:
+        for pack in packs:
+            self.packs += 1
+            self.tokens += pack.tokens
+
+
 def pack_cost(pack: Pack, vision_cost_weight: float) -> float:
     return pack.tokens + vision_cost_weight * pack.patches
 
 
 def deal_steps(
-    packs: Iterable[Pack], world_size: int, window_steps: int, vision_cost_weight: float, seed: int
+    packs: Iterable[Pack],
+    world_size: int,
+    window_steps: int,
+    vision_cost_weight: float,
+    seed: int,
+    leftover: Leftover | None = None,
 ) -> Iterator[list[Pack]]:
     """Steps of `world_size` packs (index = rank) with balanced cost.
 
     Over a window of world_size × window_steps packs, packs are sorted by cost and cut into consecutive groups of
     world_size, so each step's packs cost about the same; the steps of a window are then shuffled (seeded) so
-    training does not see costly packs first. A final incomplete step (fewer packs than ranks) is not yielded:
-    the caller counts those packs as the epoch's remainder.
+    training does not see costly packs first. A final incomplete step (fewer packs than ranks: the cheapest packs
+    of the last window) is not yielded; its packs are added to `leftover` when the packs are exhausted.
     """
     rng = random.Random(seed)
     window: list[Pack] = []
@@ -94,7 +117,10 @@ def deal_steps(
 
     def flush(chunk: list[Pack]) -> list[list[Pack]]:
         chunk = sorted(chunk, key=lambda p: -pack_cost(p, vision_cost_weight))
-        steps = [chunk[i : i + world_size] for i in range(0, len(chunk) - world_size + 1, world_size)]
+        whole = len(chunk) - len(chunk) % world_size
+        if leftover is not None:
+            leftover.add(chunk[whole:])
+        steps = [chunk[i : i + world_size] for i in range(0, whole, world_size)]
         rng.shuffle(steps)
         return steps
 
@@ -105,3 +131,20 @@ def deal_steps(
             window = []
     if window:
         yield from flush(window)
+
+
+def whole_groups(
+    steps: Iterable[list[Pack]], group_size: int, leftover: Leftover | None = None
+) -> Iterator[list[Pack]]:
+    """The steps, yielded only in whole groups of `group_size` consecutive steps; the packs of a final incomplete
+    group are added to `leftover` when the steps are exhausted (a group is held back until it is whole)."""
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}.")
+    group: list[list[Pack]] = []
+    for step in steps:
+        group.append(step)
+        if len(group) == group_size:
+            yield from group
+            group = []
+    if leftover is not None:
+        leftover.add(pack for step in group for pack in step)

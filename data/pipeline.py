@@ -1,9 +1,10 @@
 """The data pipeline's entry points for the trainer: `load_processor(cfg)` and `build_data(cfg, …)`.
 
 records (data/sources.py) → per-sample processing, parallel and cached (data/processing.py) → skip accounting →
-per-epoch plan: shuffled order, best-fit-decreasing packs, rank-balanced steps (data/packing.py) → collate
-(data/collate.py). The loaders iterate steps; each yields this rank's batch of the step and can save/restore its
-position (`state_dict` / `load_state_dict`), so a resumed run sees exactly the batches it had not seen yet.
+per-epoch plan: shuffled order, best-fit-decreasing packs, rank-balanced steps, whole optimizer steps
+(data/packing.py) → collate (data/collate.py). The loaders iterate steps; each yields this rank's batch of the step
+and can save/restore its position (`state_dict` / `load_state_dict`), so a resumed run sees exactly the batches it
+had not seen yet.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from transformers.utils import cached_file
 
 from data.collate import Collator
 from data.formats import SKIP_REASONS
-from data.packing import Pack, PackItem, deal_steps, pack_stream
+from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
 from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
@@ -118,6 +119,12 @@ class StepLoader:
 
     `items(epoch)` yields the epoch's PackItems in order; `fetch(keys)` turns PackItem keys into processed rows;
     `collate(rows)` makes the batch. Every rank computes the same plan and takes its own pack of each step.
+
+    An epoch holds a whole number of optimizer steps of `grad_accum_steps` micro-steps, so the trainer's
+    `grad_accum_steps` consecutive batches never mix two epochs: the packs that cannot fill one more optimizer
+    step (too few for every rank, or for every micro-step) are left out, counted and logged once per epoch by rank 0.
+    With `balance_window_steps = grad_accum_steps`, one rank accumulating N micro-steps sees the same packs per
+    optimizer step as N ranks with one micro-step each and balance_window_steps=1.
     """
 
     def __init__(
@@ -131,14 +138,19 @@ class StepLoader:
         seed: int,
         epochs: int | None,
         num_workers: int = 0,
+        grad_accum_steps: int = 1,
+        name: str = "train",
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
+        if grad_accum_steps < 1:
+            raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}.")
         self.items, self.fetch, self.collate = items, fetch, collate
         self.packing = packing_cfg
         self.rank, self.world_size, self.seed, self.epochs = rank, world_size, seed, epochs
-        self.num_workers = num_workers
+        self.num_workers, self.grad_accum_steps, self.name = num_workers, grad_accum_steps, name
         self.epoch, self.step_in_epoch = 0, 0
+        self._reported_epochs: set[int] = set()
 
     def packs(self, epoch: int) -> Iterator[Pack]:
         """The epoch's packs (packed mode: best-fit-decreasing; padded mode: consecutive samples)."""
@@ -156,19 +168,28 @@ class StepLoader:
         if batch.items:
             yield batch
 
-    def steps(self, epoch: int) -> Iterator[list[Pack]]:
-        """The epoch's steps: lists of world_size packs, index = rank."""
-        window = self.packing.balance_window_steps
-        weight = self.packing.vision_cost_weight
-        return deal_steps(self.packs(epoch), self.world_size, window, weight, seed=self.seed + epoch)
+    def steps(self, epoch: int, leftover: Leftover | None = None) -> Iterator[list[Pack]]:
+        """The epoch's micro-steps: lists of world_size packs, index = rank, in whole groups of grad_accum_steps
+        (one optimizer step each). Packs left out at the end are added to `leftover` once the steps are exhausted."""
+        window, weight = self.packing.balance_window_steps, self.packing.vision_cost_weight
+        dealt = deal_steps(self.packs(epoch), self.world_size, window, weight, self.seed + epoch, leftover)
+        return whole_groups(dealt, self.grad_accum_steps, leftover)
+
+    def leftover(self, epoch: int) -> Leftover:
+        """The packs (and tokens) the epoch's plan leaves out at its end; plans the whole epoch to find them."""
+        leftover = Leftover()
+        for _ in self.steps(epoch, leftover):
+            pass
+        return leftover
 
     def __iter__(self) -> Iterator[dict]:
         if self.epochs is not None and self.epoch >= self.epochs:  # a finished finite loader starts a new pass
             self.epoch, self.step_in_epoch = 0, 0
         while self.epochs is None or self.epoch < self.epochs:
-            remaining = _EpochBatches(self, self.epoch, first_step=self.step_in_epoch)
+            epoch_batches = _EpochBatches(self, self.epoch, first_step=self.step_in_epoch)
+            remaining = epoch_batches
             if self.num_workers > 0:
-                remaining = DataLoader(remaining, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+                remaining = DataLoader(epoch_batches, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
             yielded = self.step_in_epoch
             for batch in remaining:
                 self.step_in_epoch += 1
@@ -176,9 +197,31 @@ class StepLoader:
             if self.epochs is None and yielded == self.step_in_epoch == 0:
                 raise ValueError(
                     f"an epoch has no batch for rank {self.rank} of {self.world_size}: too few kept samples "
-                    "(see the data stats), or fewer packs than ranks; add data or lower packing.max_tokens."
+                    f"(see the data stats), or fewer packs than one optimizer step ({self.world_size} ranks x "
+                    f"{self.grad_accum_steps} micro-batches); add data or lower packing.max_tokens."
                 )
+            if self.rank == 0:
+                self._report_leftover(self.epoch, epoch_batches.leftover)
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def _report_leftover(self, epoch: int, walked: Leftover | None) -> None:
+        """Log the epoch's left-over packs, once per epoch. `walked` is what this process recorded while walking
+        the plan; None when DataLoader workers walked it (their records stay in their processes), so plan it here."""
+        if epoch in self._reported_epochs:
+            return
+        self._reported_epochs.add(epoch)
+        leftover = walked if walked is not None else self.leftover(epoch)
+        if leftover.packs:
+            logger.info(
+                "%s epoch %d: %d pack%s (%d tokens) left over: fewer than one step of %d ranks x %d micro-batches",
+                self.name,
+                epoch,
+                leftover.packs,
+                "" if leftover.packs == 1 else "s",
+                leftover.tokens,
+                self.world_size,
+                self.grad_accum_steps,
+            )
 
     def state_dict(self) -> dict:
         """Position in the data: the epoch and how many of its steps were consumed."""
@@ -190,19 +233,24 @@ class StepLoader:
 
 class _EpochBatches(IterableDataset):
     """This rank's batches of one epoch from `first_step` on. With DataLoader workers, worker w collates steps
-    first_step + w, + w + n, …; the DataLoader reads workers round-robin, so batches arrive in step order."""
+    first_step + w, + w + n, …; the DataLoader reads workers round-robin, so batches arrive in step order.
+
+    `leftover` is set once an iteration has walked the whole plan (in a worker, that worker's copy is set)."""
 
     def __init__(self, loader: StepLoader, epoch: int, first_step: int):
         self.loader, self.epoch, self.first_step = loader, epoch, first_step
+        self.leftover: Leftover | None = None
 
     def __iter__(self) -> Iterator[dict]:
         worker = get_worker_info()
         worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
-        for index, step in enumerate(self.loader.steps(self.epoch)):
+        leftover = Leftover()
+        for index, step in enumerate(self.loader.steps(self.epoch, leftover)):
             if index < self.first_step or (index - self.first_step) % num_workers != worker_id:
                 continue
             rows = self.loader.fetch([item.key for item in step[self.loader.rank].items])
             yield self.loader.collate(rows)
+        self.leftover = leftover
 
 
 def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool) -> PackItem | None:
@@ -294,8 +342,9 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     """(train_loader, eval_loader, stats) for the recipe `cfg` (training.config tree).
 
     train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
-    padded, docs/architecture.md), with state_dict()/load_state_dict(). eval_loader: one unshuffled pass over the
-    held-out samples. stats: DataStats (records, kept per split, skipped per reason).
+    padded, docs/architecture.md), each epoch a whole number of optimizer steps of train.grad_accum_steps
+    micro-batches, with state_dict()/load_state_dict(). eval_loader: one unshuffled pass over the held-out
+    samples, in steps of one batch per rank. stats: DataStats (records, kept per split, skipped per reason).
     """
     records, image_root = open_records(cfg.data, cache_root(cfg))
     sample_processor = SampleProcessor(
@@ -326,6 +375,8 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
     num_workers = 0 if cfg.data.streaming else cfg.data.num_workers
     common["num_workers"] = num_workers
-    train_loader = StepLoader(train_items, seed=cfg.data.seed, epochs=None, **common)
-    eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, **common)
+    train_loader = StepLoader(
+        train_items, seed=cfg.data.seed, epochs=None, grad_accum_steps=cfg.train.grad_accum_steps, **common
+    )
+    eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, name="eval", **common)
     return train_loader, eval_loader, stats

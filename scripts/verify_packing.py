@@ -5,6 +5,8 @@ runs forward+backward packed (training/packed.py) and per sample (transformers' 
 itself); prints max |Δ| of logits, loss and the worst parameter gradient, with unfused and fused rope. Exits 1 when
 any quantity is beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
 The recipe's packing.mode is forced to "packed"; everything else (model, dtype, data, pack budget) is the recipe's.
+MoE models: the packed run takes the per-sample run's top-k expert choices (pinned, training/routing_pin.py), so a
+near-tie token rounded onto another expert cannot pass for a leak; each pack prints how many choices would flip.
 
     python scripts/verify_packing.py --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
 """
@@ -87,6 +89,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{report.logits.max_abs:9.2e} {report.loss.max_abs:9.2e} {worst.max_abs:9.2e}  "
                 f"{worst.name} (rel {worst.relative:.1e})"
             )
+            if report.routing_choices:
+                print(
+                    f"{'':8} routing: {report.routing_flips} of {report.routing_choices} token choices would flip "
+                    "(pinned)"
+                )
             failures += [f"{rope} pack {index}: {msg}" for msg in report.failures(rtol)]
         if rope == "fused":
             unpatch_model(model)

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from data.packing import PackItem, best_fit_decreasing, deal_steps, pack_cost, pack_stream
+from data.packing import Leftover, PackItem, best_fit_decreasing, deal_steps, pack_cost, pack_stream, whole_groups
 
 
 def random_items(count: int, seed: int, max_length: int = 900) -> list[PackItem]:
@@ -66,3 +66,32 @@ def test_ranks_get_balanced_work():
     assert imbalance(balanced) < 0.5 * imbalance(arrival)
     dealt = sorted(i.key for s in balanced for p in s for i in p.items)
     assert len(dealt) == len(set(dealt))
+
+
+@pytest.mark.parametrize(("world", "window"), [(2, 1), (3, 4), (4, 8)])
+def test_packs_not_dealt_are_counted_as_leftover(world, window):
+    """Every pack is either dealt to exactly one rank of one step or counted in the leftover, which holds fewer
+    packs than ranks; the leftover's tokens are those of the packs not dealt."""
+    packs = list(pack_stream(iter(random_items(400, seed=world)), capacity=2048, buffer_size=64))
+    leftover = Leftover()
+    steps = list(deal_steps(iter(packs), world, window, vision_cost_weight=1.0, seed=0, leftover=leftover))
+    assert all(len(step) == world for step in steps)
+    dealt = [id(pack) for step in steps for pack in step]
+    assert len(dealt) == len(set(dealt))
+    assert len(dealt) + leftover.packs == len(packs) and leftover.packs < world
+    missing = [pack for pack in packs if id(pack) not in set(dealt)]
+    assert leftover.tokens == sum(pack.tokens for pack in missing)
+
+
+@pytest.mark.parametrize("group_size", [1, 2, 3])
+def test_whole_groups_drop_and_count_a_final_partial_group(group_size):
+    """Steps come out unchanged and in order, in whole groups only; the packs of a final partial group are counted
+    in the leftover, none of a whole group is."""
+    packs = list(pack_stream(iter(random_items(200, seed=group_size)), capacity=1024, buffer_size=32))
+    steps = [packs[i : i + 2] for i in range(0, 14, 2)]  # 7 steps: a partial group for group sizes 2 and 3
+    leftover = Leftover()
+    grouped = list(whole_groups(iter(steps), group_size, leftover))
+    whole = len(steps) - len(steps) % group_size
+    assert grouped == steps[:whole]
+    assert leftover.packs == 2 * (len(steps) - whole)
+    assert leftover.tokens == sum(pack.tokens for step in steps[whole:] for pack in step)

@@ -2,6 +2,8 @@
 
 import itertools
 import json
+import logging
+import random
 import shutil
 from pathlib import Path
 
@@ -9,7 +11,9 @@ import pytest
 import torch
 from datasets import Dataset, Image, List
 
-from data.pipeline import build_data, load_processor
+from data.config import PackingConfig
+from data.packing import Leftover, PackItem
+from data.pipeline import StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
 from data.special_tokens import EOS_ID, VISION_START_ID
 from data.synthetic import write_builtin_dataset
@@ -130,6 +134,20 @@ def test_ranks_split_each_step(cache):
     tail = stats.kept_train - sum(len(p.items) for step in steps for p in step)
     assert tail >= 0 and sum(map(sum, per_rank)) == stats.kept_train - tail
     assert rank0.state_dict() == rank1.state_dict()
+
+
+def test_train_loader_steps_are_whole_optimizer_steps(cache):
+    """build_data groups the train loader's micro-steps by train.grad_accum_steps (the eval loader's by 1): an
+    epoch's plan is a whole number of optimizer steps, and its tokens plus the counted leftover's are all the
+    epoch's packed tokens."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=512", "train.grad_accum_steps=3")
+    train, evaluation, _, _, _ = build(cfg, rank=1, world_size=2)
+    assert (train.grad_accum_steps, evaluation.grad_accum_steps) == (3, 1)
+    leftover = Leftover()
+    steps = list(train.steps(0, leftover))
+    assert len(steps) % 3 == 0 and all(len(step) == 2 for step in steps)
+    planned = sum(pack.tokens for step in steps for pack in step)
+    assert planned + leftover.tokens == sum(pack.tokens for pack in train.packs(0))
 
 
 def test_padded_mode_batches(cache):
@@ -350,3 +368,93 @@ def test_parallel_processing_matches_serial(tmp_path):
         cfg = recipe("tiny-qwen2_5_vl", tmp_path / f"cache{num_proc}", *overrides)
         rows[num_proc] = kept_token_sets(cfg)[1]
     assert rows[1] == rows[2] and len(rows[1]) > 0
+
+
+def synthetic_loader(samples, rank=0, world_size=1, grad_accum_steps=1, window=1, num_workers=0):
+    """A StepLoader over `samples` samples of 340-500 tokens in 1000-token packs, so every pack holds exactly two
+    (three never fit) and an epoch has ceil(samples / 2) packs; reshuffled per epoch; a batch is its sample keys."""
+    rng = random.Random(0)
+    sizes = [(rng.randint(340, 500), rng.choice([0, 64, 256])) for _ in range(samples)]
+
+    def items(epoch):
+        order = random.Random(epoch).sample(range(samples), samples)
+        return (PackItem(key=k, length=sizes[k][0], num_patches=sizes[k][1]) for k in order)
+
+    packing = PackingConfig(max_tokens=1000, buffer_size=8, balance_window_steps=window)
+    return StepLoader(
+        items,
+        fetch=list,
+        collate=tuple,
+        packing_cfg=packing,
+        rank=rank,
+        world_size=world_size,
+        seed=1,
+        epochs=None,
+        num_workers=num_workers,
+        grad_accum_steps=grad_accum_steps,
+    )
+
+
+def optimizer_steps(loaders, grad_accum_steps, count):
+    """Per optimizer step, the set of packs (as frozensets of sample keys) the training loop takes from the
+    loaders: grad_accum_steps consecutive batches of every rank."""
+    batches = [iter(loader) for loader in loaders]
+    return [{frozenset(next(it)) for it in batches for _ in range(grad_accum_steps)} for _ in range(count)]
+
+
+def test_one_rank_accumulating_sees_the_packs_of_two_ranks_across_epochs():
+    """One rank with 2 accumulation micro-steps and balance window 2 trains on the same pack set per optimizer
+    step as 2 ranks with one micro-step and window 1, across epoch ends that have an odd pack left over; every
+    epoch is a whole number of optimizer steps, and the left-over pack is counted by both layouts alike."""
+    samples = 9  # 5 packs per epoch
+    single = synthetic_loader(samples, grad_accum_steps=2, window=2)
+    ranks = [synthetic_loader(samples, rank=r, world_size=2) for r in (0, 1)]
+    assert sum(1 for _ in single.packs(0)) % 2 == 1
+    for epoch in range(4):
+        assert sum(1 for _ in single.steps(epoch)) % 2 == 0
+        assert single.leftover(epoch) == ranks[0].leftover(epoch) and single.leftover(epoch).packs == 1
+    assert optimizer_steps([single], 2, count=9) == optimizer_steps(ranks, 1, count=9)
+
+
+def test_resume_with_accumulation_across_an_epoch_end():
+    """A loader restored from state_dict after any optimizer step yields exactly the micro-batches the original
+    yields next, across epoch ends that drop a partial accumulation group."""
+    original = synthetic_loader(13, grad_accum_steps=3, window=3)  # 7 packs: 6 dealt, 1 left over per epoch
+    batches = iter(original)
+    for step in range(5):
+        for _ in range(3):
+            next(batches)
+        state = original.state_dict()
+        expected = [next(batches) for _ in range(6)]
+        resumed = synthetic_loader(13, grad_accum_steps=3, window=3)
+        resumed.load_state_dict(state)
+        assert [batch for _, batch in zip(range(6), resumed, strict=False)] == expected, f"after step {step + 1}"
+        original.load_state_dict(state)
+        batches = iter(original)
+
+
+def test_fewer_packs_than_one_optimizer_step_is_a_clear_error():
+    """An epoch with packs for fewer micro-steps than one optimizer step yields nothing and says why, instead of
+    spinning over empty epochs or mixing epochs in one step."""
+    loader = synthetic_loader(3, grad_accum_steps=4, window=4)  # 2 packs, 4 micro-steps needed
+    with pytest.raises(ValueError, match="fewer packs than one optimizer step"):
+        next(iter(loader))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_leftover_is_logged_once_per_epoch_by_rank_0(caplog, num_workers):
+    """Rank 0 logs each epoch's left-over packs and tokens exactly once (also when DataLoader workers walk the
+    plan), rank 1 logs nothing, and a resumed epoch is still reported."""
+    loaders = [synthetic_loader(9, rank=r, world_size=2, num_workers=num_workers) for r in (0, 1)]
+    for loader in loaders:
+        loader.load_state_dict({"epoch": 0, "step_in_epoch": 1})
+    with caplog.at_level(logging.INFO, logger="data.pipeline"):
+        optimizer_steps(loaders, 1, count=1 + 2 + 1)  # 5 packs = 2 steps an epoch: rest of 0, all of 1, into 2
+    expected = []
+    for epoch in (0, 1):
+        leftover = loaders[0].leftover(epoch)
+        expected.append(
+            f"train epoch {epoch}: 1 pack ({leftover.tokens} tokens) left over: "
+            "fewer than one step of 2 ranks x 1 micro-batches"
+        )
+    assert [r.getMessage() for r in caplog.records if "left over" in r.getMessage()] == expected

@@ -5,6 +5,12 @@ original Gated DeltaNet); the packed run concatenates the samples into one row w
 `get_rope_index` and goes through training/packed.py. Both use the same loss, the sum of per-token cross entropy
 over label tokens divided by the total label count of all samples, so the per-sample losses and gradients summed
 over samples are directly comparable with the packed ones.
+
+MoE models: the per-sample run's top-k expert choices are recorded and replayed in the packed run (and in the fp32
+copy that measures low-precision rounding), see training/routing_pin.py. A near-tie token that the packed run's
+rounding would send to another expert would otherwise move its whole gradient between experts; the report counts
+those choices (`routing_flips`) instead. Routing weights still come from each run's own router logits, so router
+gradients and any leak into the hidden states are compared as before.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from training.packed import attention_implementation, packed_model_inputs
+from training.routing_pin import PinnedRouting
 
 IGNORE_INDEX = -100
 
@@ -36,8 +43,8 @@ rounding error (see `Difference.failed`)."""
 ROUNDING_FACTOR = 3.0
 """Low precision: packed may differ from per-sample by up to this multiple of the per-sample run's own error against
 an fp32 copy of the model. If packed is as accurate as per-sample, |packed − per-sample| ≤ 2× that error (triangle
-inequality); MoE top-k routing flips under bf16 noise make this error large for expert weights, and a leak across
-samples moves far more quantities far further."""
+inequality); a leak across samples moves far more quantities far further. MoE routing is pinned to the per-sample
+choices in the packed run and in the fp32 copy, so both differences are arithmetic rounding, not expert flips."""
 
 
 @dataclass
@@ -79,12 +86,19 @@ class Difference:
 
 @dataclass
 class PackingReport:
-    """Differences of logits, loss and each parameter gradient; `worst_grad` is the largest relative one."""
+    """Differences of logits, loss and each parameter gradient; `worst_grad` is the largest relative one.
+
+    MoE models: `routing_choices` token choices (tokens × routers) of the packed run were pinned to the per-sample
+    ones; `routing_flips` of them would have chosen a different top-k set (0 and 0 without routers). Flips are
+    reported, not judged: they are rounding near ties in low precision, and a leak shows in logits and gradients.
+    """
 
     logits: Difference
     loss: Difference
     grads: list[Difference] = field(default_factory=list)
     missing_grads: list[str] = field(default_factory=list)
+    routing_flips: int = 0
+    routing_choices: int = 0
 
     @property
     def worst_grad(self) -> Difference:
@@ -192,21 +206,27 @@ def compare_packed_to_per_sample(
     `batch` is the packed batch of these samples (e.g. from the data pipeline, so its positions are checked too);
     by default `pack_samples` builds it. `model` must have packed forward enabled
     (training.packed.enable_packed_forward). Its gradients are cleared before each run and left holding the
-    packed run's. All tensors are on the model's device.
+    packed run's. All tensors are on the model's device. MoE routing of the packed run is pinned to the per-sample
+    run's choices (module docstring).
     """
     num_labels = int(sum((s.shift_labels != IGNORE_INDEX).sum() for s in samples))
-    reference_logits, reference_loss, reference_grads = _per_sample_run(model, samples, num_labels)
+    routing = PinnedRouting()
+    with routing.recording(model):
+        reference_logits, reference_loss, reference_grads = _per_sample_run(model, samples, num_labels, routing)
 
     model.zero_grad(set_to_none=True)
     batch = pack_samples(model, samples) if batch is None else batch
-    logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
-    loss = label_loss(logits, batch["shift_labels"], num_labels)
-    loss.backward()
+    with routing.replaying(model) as flips:
+        logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
+        loss = label_loss(logits, batch["shift_labels"], num_labels)
+        loss.backward()
     packed_grads = _grads(model)
 
     report = PackingReport(
         logits=_difference("logits", logits[0], torch.cat(reference_logits)),
         loss=_difference("loss", loss, torch.as_tensor(reference_loss)),
+        routing_flips=flips.flips,
+        routing_choices=flips.choices,
     )
     floor = GRAD_SCALE_FLOOR * max((g.abs().max().item() for g in reference_grads.values()), default=0.0)
     for name in sorted(reference_grads.keys() | packed_grads.keys()):
@@ -217,28 +237,39 @@ def compare_packed_to_per_sample(
         else:
             report.missing_grads.append(name)
     if next(model.parameters()).dtype != torch.float32:
-        _add_own_rounding(report, model, samples, num_labels, reference_logits, reference_loss, reference_grads)
+        reference = (reference_logits, reference_loss, reference_grads)
+        _add_own_rounding(report, model, samples, num_labels, reference, routing)
     return report
 
 
-def _per_sample_run(model: torch.nn.Module, samples: list[Sample], num_labels: int):
-    """Each sample alone through transformers' own path: (logits per sample, summed loss, gradients)."""
+def _per_sample_run(model: torch.nn.Module, samples: list[Sample], num_labels: int, routing: PinnedRouting):
+    """Each sample alone through transformers' own path: (logits per sample, summed loss, gradients).
+
+    `routing.sample` is the running sample's index through its forward and backward, None afterwards.
+    """
     model.zero_grad(set_to_none=True)
     reference_logits, reference_loss = [], 0.0
-    with attention_implementation(model, "sdpa"):
-        for sample in samples:
-            logits = model(**_sample_inputs(sample), use_cache=False).logits
-            loss = label_loss(logits, sample.shift_labels[None], num_labels)
-            loss.backward()
-            reference_logits.append(logits.detach()[0])
-            reference_loss += loss.detach()
+    try:
+        with attention_implementation(model, "sdpa"):
+            for index, sample in enumerate(samples):
+                routing.sample = index
+                logits = model(**_sample_inputs(sample), use_cache=False).logits
+                loss = label_loss(logits, sample.shift_labels[None], num_labels)
+                loss.backward()
+                reference_logits.append(logits.detach()[0])
+                reference_loss += loss.detach()
+    finally:
+        routing.sample = None
     return reference_logits, reference_loss, _grads(model)
 
 
-def _add_own_rounding(report, model, samples, num_labels, logits, loss, grads) -> None:
-    """Fill each Difference's `own_rounding`: the low-precision per-sample run against an fp32 copy of the model."""
+def _add_own_rounding(report, model, samples, num_labels, reference, routing: PinnedRouting) -> None:
+    """Fill each Difference's `own_rounding`: the low-precision per-sample run (`reference`: logits, loss, grads)
+    against an fp32 copy of the model that takes the same expert choices, so the error is arithmetic rounding only."""
+    logits, loss, grads = reference
     exact = copy.deepcopy(model).float()
-    exact_logits, exact_loss, exact_grads = _per_sample_run(exact, samples, num_labels)
+    with routing.replaying(exact):
+        exact_logits, exact_loss, exact_grads = _per_sample_run(exact, samples, num_labels, routing)
     del exact
     report.logits.own_rounding = _difference("", torch.cat(logits), torch.cat(exact_logits)).max_abs
     report.loss.own_rounding = _difference("", torch.as_tensor(loss), torch.as_tensor(exact_loss)).max_abs

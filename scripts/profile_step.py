@@ -1,0 +1,346 @@
+"""Where a training step's time goes: a recipe's optimizer steps under torch.profiler, kernels by category.
+
+    python scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 3] [--warmup 3] \
+        [--out DIR] [--top 25] [dotted.key=value ...]
+    make profile CONFIG=recipes/... ARGS="--steps 3 kernels.mrope=unfused"
+
+The model, data, optimizer and step are train.py's (same functions, same order); `--warmup` optimizer steps run
+unprofiled (allocator growth, Triton autotuning), then `--steps` steps run under the profiler with the device
+synchronised only before the first and after the last. Writes into --out (default artifacts/profile/<recipe>-<rope>):
+  trace.json    chrome trace (open in https://ui.perfetto.dev or chrome://tracing)
+  profile.md    the top kernels and the category breakdown (also printed)
+  profile.json  the same numbers
+With CUDA, "device time" is the summed duration of GPU kernels, memcpys and memsets, and "busy" is the fraction of
+the profiled wall time during which at least one of them ran (1 - busy = idle gaps: host-bound steps). Without
+CUDA, the CPU ops' self times stand in for kernels (plumbing only: the numbers say nothing about a GPU).
+
+Categories come from kernel-name patterns (CATEGORIES below): a heuristic. The first matching pattern wins and
+unmatched names land in `other`, so categories always sum to the total. Known blind spots: transformers' unfused
+rope (rotate_half: neg/cat/mul/add) and its RMSNorm (pow/mean/rsqrt/mul) run as generic elementwise kernels that
+no name separates from other elementwise work; only our fused Triton rope kernels and fused norm kernels (the
+ViT's LayerNorm) are counted under `rope` and `norm`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import set_seed  # noqa: E402
+
+from data.pipeline import build_data, load_processor  # noqa: E402
+from mrope_kernels.patch import apply_rope_choice  # noqa: E402
+from training import distributed, loop, optim, parts  # noqa: E402
+from training.config import Config, load_config  # noqa: E402
+from training.config_tree import ConfigError  # noqa: E402
+from training.modeling import build_model  # noqa: E402
+from training.packed import enable_packed_forward  # noqa: E402
+
+# (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the
+# specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).
+CATEGORIES: tuple[tuple[str, str], ...] = (
+    # our Triton kernels (mrope_kernels/triton_rope.py); on CPU, their autograd functions (mrope_kernels/ops.py)
+    ("rope", r"_rope_kernel|_rotate_heads|mrope_kernels::|_rope(function|inplace)"),
+    # flash-linear-attention's kernels (Qwen3.5's linear-attention layers); the "torch" backend's generic ops
+    # cannot be told apart from other elementwise/matmul work.
+    ("gated_delta", r"gated_delta|chunk_(local|fwd|bwd|scaled)|recompute_w_u|solve_tril|recurrent|causal_conv1d"),
+    ("attention", r"flash|fmha|varlen|sdpa|scaled_dot_product|attention"),
+    ("optimizer", r"adam|foreach|multi_tensor"),
+    ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather|c10d"),
+    ("norm", r"rms_?norm|layer_?norm"),
+    # the ViT's patch embedding is a Conv3d with stride = kernel: a GEMM in cuDNN's clothes
+    (
+        "matmul",
+        r"gemm|cutlass|cublas|nvjet|sm90_|sm80_|xmma|convol|conv\dd|fprop|dgrad|wgrad|"
+        r"aten::(mm|addmm|bmm|baddbmm|addmv|matmul|linear)$",
+    ),
+    ("loss", r"softmax|cross_entropy|nll_loss"),
+    ("copies_casts", r"memcpy|memset|copy|cast|catarray|aten::(cat|clone|contiguous|to|_to_copy|stack)$"),
+    (
+        "elementwise",
+        r"elementwise|vectorized|reduce_kernel|"
+        r"aten::(add|sub|mul|div|neg|pow|rsqrt|sqrt|exp|log|silu|gelu|sigmoid|tanh|mean|sum|where|fill|zero|"
+        r"masked_fill|threshold_backward|gelu_backward|silu_backward|sigmoid_backward|tanh_backward)_?$",
+    ),
+)
+OTHER = "other"
+_COMPILED = tuple((category, re.compile(pattern, re.IGNORECASE)) for category, pattern in CATEGORIES)
+STEP_ANNOTATION = "profile_step/optimizer_step_"
+NAME_WIDTH = 90
+
+
+@dataclass(frozen=True)
+class DeviceEvent:
+    """One unit of device work: a GPU kernel/memcpy/memset (CUDA) or a CPU op (without CUDA).
+
+    start_us/end_us: its interval on the profiler clock (µs); self_us: time attributed to it alone (a kernel's
+    duration; a CPU op's self time, so nested ops are not counted twice).
+    """
+
+    name: str
+    start_us: float
+    end_us: float
+    self_us: float
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/bench-qwen2_5_vl-3b-shape.yaml")
+    parser.add_argument("--steps", type=int, default=3, help="optimizer steps profiled")
+    parser.add_argument("--warmup", type=int, default=3, help="optimizer steps run first, unprofiled")
+    parser.add_argument("--out", default=None, help="output directory (default: artifacts/profile/<recipe>-<rope>)")
+    parser.add_argument("--top", type=int, default=25, help="kernels listed in the table")
+    parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. kernels.mrope=unfused")
+    args = parser.parse_args(argv)
+    for flag in ("steps", "top"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1")
+    if args.warmup < 0:
+        parser.error("--warmup must be 0 or more")
+    return args
+
+
+def categorize(name: str) -> str:
+    """The category of a kernel or op name: the first CATEGORIES pattern found in it, else `other`."""
+    for category, pattern in _COMPILED:
+        if pattern.search(name):
+            return category
+    return OTHER
+
+
+@dataclass
+class TrainingSetup:
+    """What train.py builds before its loop, minus trackers, checkpoints and export."""
+
+    accelerator: Accelerator
+    module: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    train_loader: object
+    fused_rope: bool
+    params: list[torch.nn.Parameter]  # the trainable ones, clipped together (as training/loop.train does)
+
+
+def build_training(cfg: Config) -> TrainingSetup:
+    """train.py's setup, in its order and with its functions (see train.main; keep the two in step)."""
+    accelerator = Accelerator(
+        mixed_precision=loop.mixed_precision(cfg.model.dtype),
+        step_scheduler_with_optimizer=False,
+        **distributed.accelerator_kwargs(cfg.model.dtype),
+    )
+    distributed.check_world_size(accelerator.num_processes)
+    set_seed(cfg.train.seed)
+    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
+    rope = apply_rope_choice(model, cfg.kernels.mrope)
+    enable_packed_forward(model)
+    parts.freeze(
+        model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
+    )
+    parts.enable_gradient_checkpointing(
+        model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
+    )
+    processor = load_processor(cfg)
+    train_loader, _, _ = build_data(cfg, processor, model.config, accelerator.process_index, accelerator.num_processes)
+    module = loop.TrainModule(model)
+    optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
+    scheduler = optim.build_scheduler(optimizer, cfg.train)
+    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+    params = [p for p in module.parameters() if p.requires_grad]
+    return TrainingSetup(accelerator, module, optimizer, scheduler, train_loader, rope is not None, params)
+
+
+def optimizer_step(setup: TrainingSetup, batches: loop.Prefetcher, grad_accum_steps: int, max_grad_norm: float):
+    """One optimizer step as training/loop.train runs it (its host-side metric counting left out): micro-batches
+    to the device, forward + backward, clipping, AdamW, schedule. No host sync."""
+    micro = [loop.to_device(next(batches), setup.accelerator.device) for _ in range(grad_accum_steps)]
+    loop.accumulate_gradients(setup.accelerator, setup.module, micro)
+    setup.accelerator.clip_grad_norm_(setup.params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    setup.optimizer.step()
+    setup.scheduler.step()
+    setup.optimizer.zero_grad(set_to_none=True)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_events(prof: profile, on_cuda: bool) -> list[DeviceEvent]:
+    """The profiled device work: GPU kernels, memcpys and memsets with CUDA, else CPU ops (our step annotations
+    excluded: they are not work)."""
+    events = []
+    for event in prof.events():
+        if event.is_user_annotation or event.name.startswith(STEP_ANNOTATION):
+            continue
+        start, end = event.time_range.start, event.time_range.end
+        if on_cuda and event.device_type == torch.autograd.DeviceType.CUDA:
+            events.append(DeviceEvent(event.name, start, end, end - start))
+        elif not on_cuda and event.device_type == torch.autograd.DeviceType.CPU:
+            events.append(DeviceEvent(event.name, start, end, event.self_cpu_time_total))
+    return events
+
+
+def busy_us(events: list[DeviceEvent]) -> float:
+    """Length of the union of the events' intervals (µs): time during which the device ran anything."""
+    total, covered_until = 0.0, -math.inf
+    for event in sorted(events, key=lambda e: e.start_us):
+        if event.end_us > covered_until:
+            total += event.end_us - max(event.start_us, covered_until)
+            covered_until = event.end_us
+    return total
+
+
+def summarize(events: list[DeviceEvent], steps: int, wall_s: float, top: int) -> dict:
+    """Per-kernel and per-category device time of `steps` profiled steps that took `wall_s` seconds.
+
+    Returns {"kernels": [{name, category, calls, total_ms, pct}] (top `top` by total), "categories":
+    [{category, ms_per_step, pct}] (every category, CATEGORIES order, `other` last), wall/device/busy ms per step,
+    busy_fraction, launches_per_step, distinct_kernels}.
+    Percentages are of the summed device time; with overlapping streams that sum can exceed the busy time.
+    """
+    per_name: dict[str, list[float]] = {}
+    for event in events:
+        calls_and_us = per_name.setdefault(event.name, [0, 0.0])
+        calls_and_us[0] += 1
+        calls_and_us[1] += event.self_us
+    total_us = sum(us for _, us in per_name.values())
+
+    def pct(us: float) -> float:
+        return 100.0 * us / total_us if total_us > 0 else 0.0
+
+    ranked = sorted(per_name.items(), key=lambda item: item[1][1], reverse=True)
+    kernels = [
+        {"name": name, "category": categorize(name), "calls": int(calls), "total_ms": us / 1e3, "pct": pct(us)}
+        for name, (calls, us) in ranked[:top]
+    ]
+    category_us = {category: 0.0 for category, _ in CATEGORIES} | {OTHER: 0.0}
+    for name, (_, us) in per_name.items():
+        category_us[categorize(name)] += us
+    categories = [
+        {"category": category, "ms_per_step": us / 1e3 / steps, "pct": pct(us)} for category, us in category_us.items()
+    ]
+    wall_ms_per_step = wall_s * 1e3 / steps
+    busy_ms_per_step = busy_us(events) / 1e3 / steps
+    return {
+        "steps": steps,
+        "wall_ms_per_step": wall_ms_per_step,
+        "device_ms_per_step": total_us / 1e3 / steps,
+        "busy_ms_per_step": busy_ms_per_step,
+        "busy_fraction": busy_ms_per_step / wall_ms_per_step if wall_ms_per_step > 0 else 0.0,
+        "launches_per_step": len(events) / steps,
+        "distinct_kernels": len(per_name),
+        "kernels": kernels,
+        "categories": categories,
+    }
+
+
+def _short(name: str) -> str:
+    name = name.replace("|", "/")  # keeps the markdown table intact
+    return name if len(name) <= NAME_WIDTH else name[: NAME_WIDTH - 1] + "…"
+
+
+def render(report: dict) -> str:
+    """profile.md: the run, the step timing, the category breakdown and the top kernels, as markdown tables."""
+    unit = "GPU kernels" if report["on_cuda"] else "CPU ops (no CUDA: plumbing only)"
+    lines = [
+        f"# Step profile: {report['config']} ({'fused' if report['fused_rope'] else 'unfused'} rope)",
+        "",
+        f"{report['device']}; {report['steps']} profiled steps after {report['warmup']} warm-up; device work = {unit}.",
+        f"Overrides: {' '.join(report['overrides']) or 'none'}",
+        "",
+        "| per step | value |",
+        "|---|---:|",
+        f"| wall ms | {report['wall_ms_per_step']:.2f} |",
+        f"| device work ms (summed) | {report['device_ms_per_step']:.2f} |",
+        f"| device busy ms (union) | {report['busy_ms_per_step']:.2f} |",
+        f"| busy fraction of wall | {100 * report['busy_fraction']:.1f}% |",
+        f"| device work items (kernels / ops) | {report['launches_per_step']:.0f} |",
+        "",
+        "## Device time by category (kernel-name heuristic, see CATEGORIES in scripts/profile_step.py)",
+        "",
+        "| category | ms/step | % |",
+        "|---|---:|---:|",
+        *(f"| {c['category']} | {c['ms_per_step']:.3f} | {c['pct']:.1f} |" for c in report["categories"]),
+        "",
+        "Unfused rope (rotate_half) and transformers' RMSNorm run as generic elementwise/copy kernels: they are in",
+        "`elementwise`/`copies_casts`, not in `rope`/`norm` (the same holds for the torch gated-delta backend).",
+        "",
+        f"## Top {len(report['kernels'])} of {report['distinct_kernels']} kernels by total time",
+        "",
+        "| # | kernel | category | calls | total ms | % |",
+        "|---:|---|---|---:|---:|---:|",
+        *(
+            f"| {i} | {_short(k['name'])} | {k['category']} | {k['calls']} | {k['total_ms']:.3f} | {k['pct']:.1f} |"
+            for i, k in enumerate(report["kernels"], 1)
+        ),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def default_out(config_path: str, fused_rope: bool) -> Path:
+    return ROOT / "artifacts" / "profile" / f"{Path(config_path).stem}-{'fused' if fused_rope else 'unfused'}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    setup = build_training(cfg)
+    device = setup.accelerator.device
+    on_cuda = device.type == "cuda"
+    out_dir = Path(args.out) if args.out else default_out(args.config, setup.fused_rope)
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    batches = loop.Prefetcher(setup.train_loader, pin=on_cuda)
+    setup.module.train()
+    try:
+        for _ in range(args.warmup):
+            optimizer_step(setup, batches, cfg.train.grad_accum_steps, cfg.train.max_grad_norm)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
+        synchronize(device)
+        with profile(activities=activities, record_shapes=False) as prof:
+            start = time.perf_counter()
+            for step in range(args.steps):
+                with record_function(f"{STEP_ANNOTATION}{step}"):  # step boundaries in the trace
+                    optimizer_step(setup, batches, cfg.train.grad_accum_steps, cfg.train.max_grad_norm)
+            synchronize(device)
+            wall_s = time.perf_counter() - start
+    finally:
+        batches.close()
+
+    prof.export_chrome_trace(str(out_dir / "trace.json"))
+    report = {
+        "config": args.config,
+        "overrides": args.overrides,
+        "device": torch.cuda.get_device_name(device) if on_cuda else "CPU",
+        "on_cuda": on_cuda,
+        "fused_rope": setup.fused_rope,
+        "warmup": args.warmup,
+        **summarize(device_events(prof, on_cuda), args.steps, wall_s, args.top),
+    }
+    table = render(report)
+    (out_dir / "profile.md").write_text(table)
+    (out_dir / "profile.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(table)
+    print(f"[profile] wrote {out_dir}/trace.json, profile.md, profile.json")
+    return report
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except ConfigError as error:
+        sys.exit(f"config error: {error}")

@@ -1,0 +1,95 @@
+"""scripts/profile_step.py: a tiny recipe profiled end to end on CPU (trace, table, JSON whose categories add up),
+and the kernel-name categorisation and busy-time arithmetic on hand-made names and intervals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from accelerate.state import AcceleratorState
+
+from scripts import profile_step
+
+TINY = "recipes/tiny-qwen2_5_vl.yaml"
+TINY_OVERRIDES = ["data.num_samples=32", "packing.max_tokens=256", "model.dtype=float32"]
+
+
+def test_profiles_a_tiny_recipe_on_cpu(tmp_path):
+    """One warm-up + one profiled step write trace.json, profile.md and profile.json; the categories partition the
+    device time (sum to it, percentages sum to 100), the top kernels are sorted and within the total, and the
+    busy time is positive and no longer than the wall time."""
+    out = tmp_path / "profile"
+    argv = ["--config", TINY, "--steps", "1", "--warmup", "1", "--top", "5", "--out", str(out), *TINY_OVERRIDES]
+    try:
+        report = profile_step.main(argv)
+    finally:  # the next test that builds an Accelerator must not inherit this one's state
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+    trace = json.loads((out / "trace.json").read_text())
+    assert trace["traceEvents"], "the chrome trace holds no events"
+    assert json.loads((out / "profile.json").read_text()) == report
+    table = (out / "profile.md").read_text()
+    assert "## Device time by category" in table and "| matmul |" in table
+
+    categories = report["categories"]
+    assert [c["category"] for c in categories] == [name for name, _ in profile_step.CATEGORIES] + ["other"]
+    assert sum(c["ms_per_step"] for c in categories) == pytest.approx(report["device_ms_per_step"])
+    assert sum(c["pct"] for c in categories) == pytest.approx(100.0)
+    assert all(0.0 <= c["pct"] <= 100.0 for c in categories)
+    by_name = {c["category"]: c for c in categories}
+    assert by_name["matmul"]["ms_per_step"] > 0 and by_name["rope"]["ms_per_step"] > 0  # the recipe is fused
+
+    kernels = report["kernels"]
+    assert len(kernels) == 5
+    assert [k["total_ms"] for k in kernels] == sorted((k["total_ms"] for k in kernels), reverse=True)
+    assert sum(k["pct"] for k in kernels) <= 100.0 + 1e-9
+    assert 0 < report["busy_ms_per_step"] <= report["wall_ms_per_step"]
+    assert 0 < report["busy_fraction"] <= 1.0
+    assert report["launches_per_step"] >= sum(k["calls"] for k in kernels)
+
+
+def test_rejects_a_step_count_below_one():
+    """--steps 0 would profile nothing and divide by zero: refused at the command line."""
+    with pytest.raises(SystemExit):
+        profile_step.parse_args(["--config", TINY, "--steps", "0"])
+
+
+@pytest.mark.parametrize(
+    ("name", "category"),
+    [
+        ("_rope_kernel", "rope"),
+        ("nvjet_tst_256x128_64x4_2x1_v_bz_coopB_TNT", "matmul"),
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64", "matmul"),
+        ("void cutlass::Kernel2<cutlass_80_wmma_tensorop_bf16_s161616gemm_bf16_32x32_128x2_tn_align8>", "matmul"),
+        ("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x128_rf_sm80", "attention"),
+        (
+            "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<CollectiveMainloop>>>",
+            "attention",
+        ),
+        ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gated_delta"),
+        ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norm"),
+        ("void at::native::(anonymous namespace)::fused_adamMathFunctor", "optimizer"),
+        ("void at::native::multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor<float, 2>>", "optimizer"),
+        ("ncclDevKernel_AllReduce_Sum_f32_RING_LL", "communication"),
+        ("void at::native::(anonymous namespace)::cunn_SoftMaxForward<4, float>", "loss"),
+        ("Memcpy HtoD (Pinned -> Device)", "copies_casts"),
+        ("void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>", "copies_casts"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>>", "elementwise"),
+        ("void at::native::index_elementwise_kernel", "elementwise"),
+        ("aten::mul", "elementwise"),
+        ("aten::embedding_dense_backward", "other"),
+    ],
+)
+def test_kernel_names_fall_in_their_category(name, category):
+    """Representative CUDA kernel and CPU op names land in the category the breakdown documents (first match wins:
+    fmha before cutlass, the foreach grad norm under optimizer, not norm)."""
+    assert profile_step.categorize(name) == category
+
+
+def test_busy_time_is_the_union_of_intervals():
+    """Overlapping intervals (another stream, nested ops) count once; gaps between them do not count."""
+    event = profile_step.DeviceEvent
+    events = [event("a", 0, 10, 10), event("b", 5, 12, 7), event("c", 20, 25, 5), event("d", 21, 22, 1)]
+    assert profile_step.busy_us(events) == 17
+    assert profile_step.busy_us([]) == 0
