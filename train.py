@@ -3,30 +3,23 @@
     python train.py --config recipes/smoke.yaml [dotted.key=value ...] [--resume]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train.py --config recipes/qwen2_5_vl-3b.yaml
 
-Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer →
-loop (training/loop.py) → export and summary. The run directory (`train.output_dir`) receives config.yaml,
-metrics.jsonl, summary.json, checkpoints/, final/ and wandb/.
+Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer
+(training/setup.py) → loop (training/loop.py) → export and summary. The run directory (`train.output_dir`)
+receives config.yaml, metrics.jsonl, summary.json, checkpoints/, final/ and wandb/.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
 from pathlib import Path
 
-from accelerate import Accelerator
-from accelerate.utils import set_seed
-
-from data.pipeline import build_data, load_processor
-from mrope_kernels.patch import apply_rope_choice
-from training import checkpoint, distributed, loop, metrics, optim, parts, tracking
+from training import checkpoint, loop, tracking
 from training.config import load_config, save_config
 from training.config_tree import ConfigError
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from training.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")
 
@@ -42,45 +35,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
-    # gradient_accumulation_steps stays 1: loop.accumulate_gradients normalises by the global label count itself
-    # (accelerate would divide once more). The scheduler steps once per optimizer step, not once per process.
-    accelerator = Accelerator(
-        mixed_precision=loop.mixed_precision(cfg.model.dtype),
-        log_with=tracking.log_with(cfg),
-        step_scheduler_with_optimizer=False,
-        **distributed.accelerator_kwargs(cfg.model.dtype),
-    )
-    distributed.check_world_size(accelerator.num_processes)
+    accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
-    set_seed(cfg.train.seed)
     run_dir = Path(cfg.train.output_dir)
     if accelerator.is_main_process:
         save_config(cfg, run_dir / "config.yaml")
-
-    # Model: fp32 master weights (autocast computes in model.dtype), fused rope, packed attention, parts.
-    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
-    rope = apply_rope_choice(model, cfg.kernels.mrope)
-    enable_packed_forward(model)
-    parts.freeze(
-        model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
-    )
-    parts.enable_gradient_checkpointing(
-        model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
-    )
-    log.info(
-        "rope: %s; trainable parameters per part: %s", "fused" if rope else "unfused", parts.trainable_counts(model)
-    )
-
-    processor = load_processor(cfg)
-    train_loader, eval_loader, _ = build_data(
-        cfg, processor, model.config, accelerator.process_index, accelerator.num_processes
-    )
-
-    flop_profile = metrics.FlopProfile.from_model(model)
-    module = loop.TrainModule(model)
-    optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
-    scheduler = optim.build_scheduler(optimizer, cfg.train)
-    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+    setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
 
     checkpointer = checkpoint.Checkpointer(accelerator, run_dir, cfg.checkpoint)
@@ -88,7 +48,7 @@ def main(argv: list[str] | None = None) -> dict:
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
     if resume_from is not None:
         start_step, data_state = checkpointer.load(resume_from)
-        train_loader.load_state_dict(data_state)
+        setup.train_loader.load_state_dict(data_state)
         log.info("resumed from %s at step %d", resume_from, start_step)
     if start_step >= cfg.train.max_steps:  # a finished run: keep its summary and export as they are
         log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
@@ -99,20 +59,20 @@ def main(argv: list[str] | None = None) -> dict:
     result = loop.train(
         cfg,
         accelerator,
-        module,
-        optimizer,
-        scheduler,
-        train_loader,
-        eval_loader,
-        flop_profile,
+        setup.module,
+        setup.optimizer,
+        setup.scheduler,
+        setup.train_loader,
+        setup.eval_loader,
+        setup.flop_profile,
         checkpointer,
         run_dir,
         start_step,
     )
     export_dir = None
     if cfg.checkpoint.export:
-        export_dir = checkpoint.export(accelerator, module, processor, run_dir / "final", cfg.model.dtype)
-    summary = loop.summarize(accelerator, result, run_dir, wandb_dir, export_dir, rope is not None)
+        export_dir = checkpoint.export(accelerator, setup.module, setup.processor, run_dir / "final", cfg.model.dtype)
+    summary = loop.summarize(accelerator, result, run_dir, wandb_dir, export_dir, setup.fused_rope)
     accelerator.wait_for_everyone()  # ranks tear the process group down together (gloo hangs otherwise)
     accelerator.end_training()
     return summary

@@ -4,9 +4,10 @@
         [--out DIR] [--top 25] [dotted.key=value ...]
     make profile CONFIG=recipes/... ARGS="--steps 3 kernels.mrope=unfused"
 
-The model, data, optimizer and step are train.py's (same functions, same order); `--warmup` optimizer steps run
-unprofiled (allocator growth, Triton autotuning), then `--steps` steps run under the profiler with the device
-synchronised only before the first and after the last. Writes into --out (default artifacts/profile/<recipe>-<rope>):
+The model, data, optimizer and step are train.py's (training/setup.py's build_training, training/loop.py's
+optimizer_step); `--warmup` optimizer steps run unprofiled (allocator growth, Triton autotuning), then `--steps`
+steps run under the profiler with the device synchronised only before the first and after the last. Writes into
+--out (default artifacts/profile/<recipe>-<rope>):
   trace.json    chrome trace (open in https://ui.perfetto.dev or chrome://tracing)
   profile.md    the top kernels and the category breakdown (also printed)
   profile.json  the same numbers
@@ -24,7 +25,6 @@ ViT's LayerNorm) are counted under `rope` and `norm`.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import re
@@ -39,16 +39,10 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import set_seed  # noqa: E402
-
-from data.pipeline import build_data, load_processor  # noqa: E402
-from mrope_kernels.patch import apply_rope_choice  # noqa: E402
-from training import distributed, loop, optim, parts  # noqa: E402
-from training.config import Config, load_config  # noqa: E402
+from training import loop  # noqa: E402
+from training.config import load_config  # noqa: E402
 from training.config_tree import ConfigError  # noqa: E402
-from training.modeling import build_model  # noqa: E402
-from training.packed import enable_packed_forward  # noqa: E402
+from training.setup import build_accelerator, build_training  # noqa: E402
 
 # (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the
 # specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).
@@ -120,58 +114,6 @@ def categorize(name: str) -> str:
         if pattern.search(name):
             return category
     return OTHER
-
-
-@dataclass
-class TrainingSetup:
-    """What train.py builds before its loop, minus trackers, checkpoints and export."""
-
-    accelerator: Accelerator
-    module: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    train_loader: object
-    fused_rope: bool
-    params: list[torch.nn.Parameter]  # the trainable ones, clipped together (as training/loop.train does)
-
-
-def build_training(cfg: Config) -> TrainingSetup:
-    """train.py's setup, in its order and with its functions (see train.main; keep the two in step)."""
-    accelerator = Accelerator(
-        mixed_precision=loop.mixed_precision(cfg.model.dtype),
-        step_scheduler_with_optimizer=False,
-        **distributed.accelerator_kwargs(cfg.model.dtype),
-    )
-    distributed.check_world_size(accelerator.num_processes)
-    set_seed(cfg.train.seed)
-    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
-    rope = apply_rope_choice(model, cfg.kernels.mrope)
-    enable_packed_forward(model)
-    parts.freeze(
-        model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
-    )
-    parts.enable_gradient_checkpointing(
-        model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
-    )
-    processor = load_processor(cfg)
-    train_loader, _, _ = build_data(cfg, processor, model.config, accelerator.process_index, accelerator.num_processes)
-    module = loop.TrainModule(model)
-    optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
-    scheduler = optim.build_scheduler(optimizer, cfg.train)
-    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    params = [p for p in module.parameters() if p.requires_grad]
-    return TrainingSetup(accelerator, module, optimizer, scheduler, train_loader, rope is not None, params)
-
-
-def optimizer_step(setup: TrainingSetup, batches: loop.Prefetcher, grad_accum_steps: int, max_grad_norm: float):
-    """One optimizer step as training/loop.train runs it (its host-side metric counting left out): micro-batches
-    to the device, forward + backward, clipping, AdamW, schedule. No host sync."""
-    micro = [loop.to_device(next(batches), setup.accelerator.device) for _ in range(grad_accum_steps)]
-    loop.accumulate_gradients(setup.accelerator, setup.module, micro)
-    setup.accelerator.clip_grad_norm_(setup.params, max_grad_norm if max_grad_norm > 0 else math.inf)
-    setup.optimizer.step()
-    setup.scheduler.step()
-    setup.optimizer.zero_grad(set_to_none=True)
 
 
 def synchronize(device: torch.device) -> None:
@@ -298,24 +240,33 @@ def default_out(config_path: str, fused_rope: bool) -> Path:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
-    setup = build_training(cfg)
-    device = setup.accelerator.device
+    accelerator = build_accelerator(cfg)
+    setup = build_training(cfg, accelerator)
+    device = accelerator.device
     on_cuda = device.type == "cuda"
     out_dir = Path(args.out) if args.out else default_out(args.config, setup.fused_rope)
     out_dir.mkdir(parents=True, exist_ok=True)
 
+    params = [p for p in setup.module.parameters() if p.requires_grad]
     batches = loop.Prefetcher(setup.train_loader, pin=on_cuda)
+
+    def optimizer_step() -> None:
+        host_batches = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
+        loop.optimizer_step(
+            accelerator, setup.module, setup.optimizer, setup.scheduler, params, host_batches, cfg.train.max_grad_norm
+        )
+
     setup.module.train()
     try:
         for _ in range(args.warmup):
-            optimizer_step(setup, batches, cfg.train.grad_accum_steps, cfg.train.max_grad_norm)
+            optimizer_step()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         synchronize(device)
         with profile(activities=activities, record_shapes=False) as prof:
             start = time.perf_counter()
             for step in range(args.steps):
                 with record_function(f"{STEP_ANNOTATION}{step}"):  # step boundaries in the trace
-                    optimizer_step(setup, batches, cfg.train.grad_accum_steps, cfg.train.max_grad_norm)
+                    optimizer_step()
             synchronize(device)
             wall_s = time.perf_counter() - start
     finally:

@@ -154,6 +154,32 @@ def accumulate_gradients(
     return loss_total, local_count
 
 
+def optimizer_step(
+    accelerator: Accelerator,
+    module: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    params: list[nn.Parameter],
+    host_batches: list[dict],
+    max_grad_norm: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step over `host_batches` (its `train.grad_accum_steps` micro-batches, still on the host):
+    copy to the device, forward + backward (`accumulate_gradients`), clip `params` (the trainable ones) to
+    `max_grad_norm` (0: measure the norm, clip nothing), optimizer and scheduler step, gradients dropped. No host sync.
+    Returns (summed CE over this rank's micro-batches, this rank's label count, the gradient norm before clipping)
+    as detached fp32 device scalars.
+    """
+    micro = [to_device(b, accelerator.device) for b in host_batches]
+    loss_sum, label_count = accumulate_gradients(accelerator, module, micro)
+    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    if isinstance(grad_norm, DTensor):  # FSDP2: a replicated DTensor, which cannot be added to a plain tensor
+        grad_norm = grad_norm.full_tensor()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss_sum, label_count, grad_norm.detach().float()
+
+
 @torch.no_grad()
 def evaluate(accelerator: Accelerator, module: nn.Module, loader, max_batches: int, start_state: dict) -> float:
     """Mean token loss over the first `max_batches` held-out batches of every rank (one sync at the end); the
@@ -341,17 +367,12 @@ def train(
             counts.add_batch(b, budget_of(b), flops)
             if timed_clock.running:
                 timed_counts.add_batch(b, budget_of(b), flops)
-        micro = [to_device(b, device) for b in host_batches]
-        loss_sum, label_count = accumulate_gradients(accelerator, module, micro)
-        grad_norm = accelerator.clip_grad_norm_(params, tcfg.max_grad_norm if tcfg.max_grad_norm > 0 else math.inf)
-        if isinstance(grad_norm, DTensor):  # FSDP2: a replicated DTensor, which cannot be added to a plain tensor
-            grad_norm = grad_norm.full_tensor()
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        loss_sum, label_count, grad_norm = optimizer_step(
+            accelerator, module, optimizer, scheduler, params, host_batches, tcfg.max_grad_norm
+        )
         loss_acc += loss_sum
         labels_acc += label_count
-        grad_norm_acc += grad_norm.detach().float()
+        grad_norm_acc += grad_norm
         counts.steps += 1
         timed_counts.steps += timed_clock.running
         bar.update(1)

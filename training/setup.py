@@ -1,0 +1,93 @@
+"""Everything a training run builds before its first step, shared by train.py and scripts/profile_step.py.
+
+Two calls, so the caller can configure logging between them (on the main process only, which takes the
+Accelerator to know) before the data pipeline logs its statistics:
+
+    accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
+    setup = build_training(cfg, accelerator)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+
+from data.pipeline import StepLoader, build_data, load_processor
+from mrope_kernels.patch import apply_rope_choice
+from training import distributed, loop, metrics, optim, parts
+from training.config import Config
+from training.modeling import build_model
+from training.packed import enable_packed_forward
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingSetup:
+    """The prepared training objects (module, optimizer and scheduler already through `accelerator.prepare`)."""
+
+    module: torch.nn.Module  # loop.TrainModule around the HF model, wrapped for DDP/FSDP2
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    processor: Any  # the recipe's HF processor, shipped with the export
+    train_loader: StepLoader
+    eval_loader: StepLoader
+    flop_profile: metrics.FlopProfile
+    fused_rope: bool
+
+
+def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Accelerator:
+    """The run's Accelerator; raises when the launcher started processes that it did not join.
+
+    gradient_accumulation_steps stays 1: loop.accumulate_gradients normalises by the global label count itself
+    (accelerate would divide once more). The scheduler steps once per optimizer step, not once per process.
+    """
+    accelerator = Accelerator(
+        mixed_precision=loop.mixed_precision(cfg.model.dtype),
+        log_with=log_with,
+        step_scheduler_with_optimizer=False,
+        **distributed.accelerator_kwargs(cfg.model.dtype),
+    )
+    distributed.check_world_size(accelerator.num_processes)
+    return accelerator
+
+
+def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
+    """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible.
+
+    The model keeps fp32 master weights (autocast computes in `model.dtype`) and gets the recipe's rope kernels,
+    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters.
+    """
+    set_seed(cfg.train.seed)
+    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
+    rope = apply_rope_choice(model, cfg.kernels.mrope)
+    enable_packed_forward(model)
+    parts.freeze(
+        model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
+    )
+    parts.enable_gradient_checkpointing(
+        model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
+    )
+    log.info(
+        "rope: %s; trainable parameters per part: %s", "fused" if rope else "unfused", parts.trainable_counts(model)
+    )
+
+    processor = load_processor(cfg)
+    train_loader, eval_loader, _ = build_data(
+        cfg, processor, model.config, accelerator.process_index, accelerator.num_processes
+    )
+
+    flop_profile = metrics.FlopProfile.from_model(model)
+    module = loop.TrainModule(model)
+    optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
+    scheduler = optim.build_scheduler(optimizer, cfg.train)
+    module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
+    return TrainingSetup(
+        module, optimizer, scheduler, processor, train_loader, eval_loader, flop_profile, rope is not None
+    )
