@@ -17,6 +17,7 @@ from training.packed import (
     is_packed_forward_enabled,
     packed_attention_forward,
     packed_model_inputs,
+    varlen_dtype,
 )
 from training.packing_check import (
     RELATIVE_TOLERANCE,
@@ -285,6 +286,48 @@ def test_packed_equals_per_sample_bf16_gpu_moderate_heads(family):
     specs = (*MIXED_PACK, SampleSpec(300, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(250))
     report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+def test_varlen_dtype_follows_autocast():
+    """The varlen kernel's dtype is autocast's when autocast is on (fp32 q/k from a q/k RMSNorm beside a bf16 v must
+    not fall back to per-sample SDPA), and otherwise only a half dtype shared by q, k and v."""
+    q32, v16 = torch.zeros(1, 2, 3, 4), torch.zeros(1, 2, 3, 4, dtype=torch.bfloat16)
+    assert varlen_dtype(q32, q32, v16) is None
+    assert varlen_dtype(q32, q32, q32) is None
+    assert varlen_dtype(v16, v16, v16) is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert varlen_dtype(q32, q32, v16) is torch.bfloat16
+    with torch.autocast("cpu", dtype=torch.float16):
+        assert varlen_dtype(q32, q32, q32) is torch.float16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch):
+    """As train.py runs it (fp32 weights, bf16 autocast), every packed attention call of a model with q/k norms
+    goes to the one varlen kernel per layer, never to the per-sample SDPA fallback."""
+    import training.packed as packed
+
+    calls = {"varlen": 0, "per_segment": 0}
+    varlen, per_segment = packed._varlen_kernel, packed._per_segment_sdpa
+
+    def count(name, function):
+        def counted(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return counted
+
+    monkeypatch.setattr(packed, "_varlen_kernel", count("varlen", varlen))
+    monkeypatch.setattr(packed, "_per_segment_sdpa", count("per_segment", per_segment))
+    model = tiny_model(family).cuda()
+    enable_packed_forward(model)
+    batch = pack_samples(model, samples_for(model, MIXED_PACK, device="cuda"))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
+    attention_layers = sum(hasattr(layer, "self_attn") for layer in model.model.language_model.layers)
+    assert calls == {"varlen": attention_layers + model.config.vision_config.depth, "per_segment": 0}
+    assert torch.isfinite(logits).all()
 
 
 def test_samples_from_batch_inverts_pack_samples():

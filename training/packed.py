@@ -19,9 +19,9 @@ Mechanism (the same on transformers 5.17 and 5.23):
   the packed run and the padded baseline.
 - Qwen3.5 Gated DeltaNet layers: see training/gated_delta.py.
 
-Kernels: CUDA bf16/fp16 → flash-attn's varlen function when importable, else `torch.nn.attention.varlen.varlen_attn`
-(causal through `window_size=(-1, 0)`); otherwise (CPU, fp32) one SDPA call per segment, split by the host-side
-lengths.
+Kernels: CUDA bf16/fp16, or any dtype under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
+function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
+otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths.
 """
 
 from __future__ import annotations
@@ -110,6 +110,21 @@ def _varlen_kernel(
     )
 
 
+def varlen_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype | None:
+    """The half dtype a varlen kernel computes q/k/v (any float dtypes) in, or None when it cannot.
+
+    Under autocast it is autocast's dtype, the one SDPA would cast to: with fp32 master weights, models whose
+    q/k pass an RMSNorm (Qwen3-VL, Qwen3.5: `weight * x` promotes to fp32) bring fp32 q/k beside a bf16 v, and
+    must not fall back to one SDPA call per sample. Without autocast, q, k and v must share a half dtype.
+    """
+    device = query.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        return dtype if dtype in _VARLEN_DTYPES else None
+    same = query.dtype == key.dtype == value.dtype
+    return query.dtype if same and query.dtype in _VARLEN_DTYPES else None
+
+
 def _per_segment_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -165,10 +180,11 @@ def packed_attention_forward(
         if pack.total_tokens != query.shape[2]:
             raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens but the sequence has {query.shape[2]}.")
 
-    if query.is_cuda and query.dtype in _VARLEN_DTYPES:
+    half = varlen_dtype(query, key, value)
+    if query.is_cuda and half is not None:
         if max_seqlen is None:  # only a vision tower that did not precompute it: one sync per call
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+        q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
         out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
     else:
         if lengths is None:  # vision boundaries are a tensor; on this (CPU or fp32) path a host copy is cheap
