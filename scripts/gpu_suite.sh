@@ -42,6 +42,8 @@ correctness_and_kernels() {
 training_runs() {
   step smoke_test 240 $PY scripts/smoke_test.py
   step train_3b_shape 280 $PY train.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml data.num_workers=8
+  step profile_3b_shape 150 $PY scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
+    --out "$OUT/profile_3b_shape" data.num_samples=600 data.num_workers=8
   cp runs/smoke/summary.json "$OUT/smoke_summary.json" 2>/dev/null
   cp runs/bench-qwen2_5_vl-3b-shape/summary.json "$OUT/train_3b_shape_summary.json" 2>/dev/null
 }
