@@ -7,7 +7,7 @@
 The model, data, optimizer and step are train.py's (training/setup.py's build_training, training/loop.py's
 optimizer_step); `--warmup` optimizer steps run unprofiled (allocator growth, Triton autotuning), then `--steps`
 steps run under the profiler with the device synchronised only before the first and after the last. Writes into
---out (default artifacts/profile/<recipe>-<rope>):
+--out (default artifacts/profile/<recipe>-<rope>; its rank<i>/ per process under accelerate launch):
   trace.json    chrome trace (open in https://ui.perfetto.dev or chrome://tracing)
   profile.md    the top kernels and the category breakdown (also printed)
   profile.json  the same numbers
@@ -245,6 +245,8 @@ def main(argv: list[str] | None = None) -> dict:
     device = accelerator.device
     on_cuda = device.type == "cuda"
     out_dir = Path(args.out) if args.out else default_out(args.config, setup.fused_rope)
+    if accelerator.num_processes > 1:  # under accelerate launch every rank profiles its own GPU
+        out_dir = out_dir / f"rank{accelerator.process_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
 
     params = [p for p in setup.module.parameters() if p.requires_grad]

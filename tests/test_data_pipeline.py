@@ -139,15 +139,18 @@ def test_ranks_split_each_step(cache):
 def test_train_loader_steps_are_whole_optimizer_steps(cache):
     """build_data groups the train loader's micro-steps by train.grad_accum_steps (the eval loader's by 1): an
     epoch's plan is a whole number of optimizer steps, and its tokens plus the counted leftover's are all the
-    epoch's packed tokens."""
-    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=512", "train.grad_accum_steps=3")
+    epoch's packed tokens. 56 samples make 11 packs: one is left by the 2-rank dealing and 4 by the partial group
+    of 2 micro-steps (the numbers are the test's data, checked so the leftover is not vacuous)."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=56", "packing.max_tokens=512", "train.grad_accum_steps=3")
     train, evaluation, _, _, _ = build(cfg, rank=1, world_size=2)
     assert (train.grad_accum_steps, evaluation.grad_accum_steps) == (3, 1)
     leftover = Leftover()
     steps = list(train.steps(0, leftover))
-    assert len(steps) % 3 == 0 and all(len(step) == 2 for step in steps)
+    packs = list(train.packs(0))
+    assert len(packs) == 11 and len(steps) == 3 and all(len(step) == 2 for step in steps)
+    assert leftover.packs == len(packs) - 2 * len(steps) == 5
     planned = sum(pack.tokens for step in steps for pack in step)
-    assert planned + leftover.tokens == sum(pack.tokens for pack in train.packs(0))
+    assert planned + leftover.tokens == sum(pack.tokens for pack in packs)
 
 
 def test_padded_mode_batches(cache):
@@ -458,3 +461,16 @@ def test_leftover_is_logged_once_per_epoch_by_rank_0(caplog, num_workers):
             "fewer than one step of 2 ranks x 1 micro-batches"
         )
     assert [r.getMessage() for r in caplog.records if "left over" in r.getMessage()] == expected
+
+
+def test_resume_inside_an_accumulation_group_warns(cache, caplog):
+    """A loader state that is not at an optimizer-step boundary (saved with another grad_accum_steps) is resumed
+    as saved, with a warning that the step grouping shifts until the epoch ends."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=56", "packing.max_tokens=512", "train.grad_accum_steps=3")
+    train, *_ = build(cfg)
+    with caplog.at_level("WARNING", logger="data.pipeline"):
+        train.load_state_dict({"epoch": 0, "step_in_epoch": 3})
+        assert not caplog.records
+        train.load_state_dict({"epoch": 0, "step_in_epoch": 4})
+    assert train.state_dict() == {"epoch": 0, "step_in_epoch": 4}
+    assert "inside a group of grad_accum_steps=3" in caplog.text

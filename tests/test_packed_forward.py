@@ -317,6 +317,45 @@ def test_packed_equals_per_sample_bf16_gpu_moderate_heads(family):
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
+class _LeakGradientAcrossSamples(torch.autograd.Function):
+    """Identity forward; the backward adds a tenth of the gradient 8 tokens later, which crosses sample boundaries."""
+
+    @staticmethod
+    def forward(ctx, out):
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 0.1 * grad.roll(-8, dims=0)
+
+
+def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scaling, causal):
+    """A stand-in varlen kernel (q (T,H,D)): exact forward (per-segment SDPA), a backward that leaks across samples."""
+    import training.packed as packed
+
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    out = packed._per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
+    return _LeakGradientAcrossSamples.apply(out)
+
+
+def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(monkeypatch):
+    """Where the low-precision pack takes the varlen kernel and its fp32 copy cannot, a leak in that kernel's
+    backward alone (forward exact, so logits agree) must fail on the gradients: the packed run's error against its
+    fp32 copy contains the leak and must not excuse it. Simulated on the CPU by routing bf16 through a leaky
+    stand-in kernel."""
+    import training.packed as packed
+
+    monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr("training.packing_check.VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(packed, "_varlen_kernel", _varlen_with_backward_leak)
+    model = tiny_model("qwen2_5_vl", dtype="bfloat16")
+    enable_packed_forward(model)
+    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    failures = report.failures(RELATIVE_TOLERANCE[torch.bfloat16])
+    assert not report.logits.failed(RELATIVE_TOLERANCE[torch.bfloat16])
+    assert any(not line.startswith(("logits", "loss", "fp32 copy")) for line in failures), failures
+
+
 def test_varlen_dtype_follows_autocast():
     """The varlen kernel's dtype is autocast's when autocast is on (fp32 q/k from a q/k RMSNorm beside a bf16 v must
     not fall back to per-sample SDPA), and otherwise only a half dtype shared by q, k and v."""
@@ -331,10 +370,11 @@ def test_varlen_dtype_follows_autocast():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
 def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch):
-    """As train.py runs it (fp32 weights, bf16 autocast), every packed attention call of a model with q/k norms
-    goes to the one varlen kernel per layer, never to the per-sample SDPA fallback."""
+    """As train.py runs it (fp32 weights, bf16 autocast), every packed attention call of a model with fp32 q/k
+    norms goes to the one varlen kernel per layer, never to the per-sample SDPA fallback, and gives the logits of
+    the per-segment SDPA path under the same autocast (within bf16 rounding)."""
     import training.packed as packed
 
     calls = {"varlen": 0, "per_segment": 0}
@@ -356,7 +396,12 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch)
         logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
     attention_layers = sum(hasattr(layer, "self_attn") for layer in model.model.language_model.layers)
     assert calls == {"varlen": attention_layers + model.config.vision_config.depth, "per_segment": 0}
-    assert torch.isfinite(logits).all()
+    monkeypatch.setattr(packed, "VARLEN_DEVICES", ())
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        per_segment_logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
+    assert calls["per_segment"] > 0
+    difference = (logits.float() - per_segment_logits.float()).abs().max() / per_segment_logits.float().abs().max()
+    assert difference <= RELATIVE_TOLERANCE[torch.bfloat16]
 
 
 def test_samples_from_batch_inverts_pack_samples():

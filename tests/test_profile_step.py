@@ -20,6 +20,7 @@ def test_profiles_a_tiny_recipe_on_cpu(tmp_path):
     busy time is positive and no longer than the wall time."""
     out = tmp_path / "profile"
     argv = ["--config", TINY, "--steps", "1", "--warmup", "1", "--top", "5", "--out", str(out), *TINY_OVERRIDES]
+    argv.append(f"data.cache_dir={tmp_path / 'cache'}")
     try:
         report = profile_step.main(argv)
     finally:  # the next test that builds an Accelerator must not inherit this one's state

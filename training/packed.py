@@ -19,7 +19,7 @@ Mechanism (the same on transformers 5.17 and 5.23):
   the packed run and the padded baseline.
 - Qwen3.5 Gated DeltaNet layers: see training/gated_delta.py.
 
-Kernels: CUDA bf16/fp16, or any dtype under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
+Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
 function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
 otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths.
 """
@@ -51,6 +51,9 @@ transformers refuses unknown "flash" names at load time, so `enable_packed_forwa
 PACK_KWARG = "packed_seqlens"
 
 _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
+VARLEN_DEVICES = ("cuda",)
+"""Device types whose packed attention takes the varlen kernel (in a half dtype, `varlen_dtype`); elsewhere one SDPA
+call per segment. training/packing_check.py reads it to know which kernels a low-precision packed run takes."""
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
@@ -114,8 +117,8 @@ def varlen_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     """The half dtype a varlen kernel computes q/k/v (any float dtypes) in, or None when it cannot.
 
     Under autocast it is autocast's dtype, the one SDPA would cast to: with fp32 master weights, models whose
-    q/k pass an RMSNorm (Qwen3-VL, Qwen3.5: `weight * x` promotes to fp32) bring fp32 q/k beside a bf16 v, and
-    must not fall back to one SDPA call per sample. Without autocast, q, k and v must share a half dtype.
+    q/k pass an RMSNorm that multiplies by the fp32 weight (Qwen3-VL, Qwen3-VL-MoE) bring fp32 q/k beside a bf16 v,
+    and must not fall back to one SDPA call per sample. Without autocast, q, k and v must share a half dtype.
     """
     device = query.device.type
     if torch.is_autocast_enabled(device):
@@ -181,7 +184,7 @@ def packed_attention_forward(
             raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens but the sequence has {query.shape[2]}.")
 
     half = varlen_dtype(query, key, value)
-    if query.is_cuda and half is not None:
+    if query.device.type in VARLEN_DEVICES and half is not None:
         if max_seqlen is None:  # only a vision tower that did not precompute it: one sync per call
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
