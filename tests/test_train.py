@@ -198,6 +198,31 @@ def test_export_loads_and_generates(finished_run):
     assert generated.shape[1] == inputs["input_ids"].shape[1] + 3
 
 
+def test_a_local_checkpoint_trains_from_its_own_weights_and_processor(finished_run, tmp_path, data_cache):
+    """A checkpoint directory (here the export) loads through model.name_or_path like a hub id: processor and
+    weights come from it, and with a vanishing lr (1e-30) the next export holds the weights it started from."""
+    from safetensors.torch import load_file
+
+    _, summary = finished_run
+    start = Path(summary["export_dir"])
+    second = run_train(
+        tmp_path / "from-export",
+        data_cache,
+        f"model.name_or_path={start}",
+        "model.config=null",
+        "train.max_steps=1",
+        "train.lr=1e-30",
+        "train.warmup_steps=0",
+        "train.eval_every=0",
+        "checkpoint.every_steps=0",
+    )
+    before = load_file(start / "model.safetensors")
+    after = load_file(Path(second["export_dir"]) / "model.safetensors")
+    assert before.keys() == after.keys()
+    for name in before:  # parameters at 0 may move by ~lr; any other start would be off by the weights' size
+        torch.testing.assert_close(after[name], before[name], rtol=0, atol=1e-20)
+
+
 EXPORT_LOADER = """
 import sys
 from PIL import Image

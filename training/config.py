@@ -27,9 +27,10 @@ class ModelConfig:
 
     def validate(self) -> None:
         if (self.name_or_path is None) == (self.config is None):
-            raise ConfigError(
-                "set exactly one of model.name_or_path (a checkpoint) or model.config (random init from a config)."
-            )
+            message = "set exactly one of model.name_or_path (a checkpoint) or model.config (a random init)."
+            if self.name_or_path is not None:
+                message += " To train a checkpoint from a random-init recipe, add model.config=null."
+            raise ConfigError(message)
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ConfigError("model.freeze_vision, freeze_merger and freeze_llm are all true: nothing would train.")
 
