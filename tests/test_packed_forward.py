@@ -430,6 +430,24 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
     assert out.count("\nunfused ") == 2 and "PASS" in out
 
 
+def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
+    """The same CLI exits 1 and names the failing quantities when the packed attention leaks across samples."""
+    import training.packed as packed
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
+    monkeypatch.setattr(packed, "packed_attention_forward", _leaking_attention)  # what enable_packed_forward registers
+    try:
+        status = verify_packing.main(
+            ["--config", "recipes/tiny-qwen2_5_vl.yaml", "--packs", "1", "--rope", "unfused", *overrides]
+        )
+    finally:
+        AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    captured = capsys.readouterr()
+    assert status == 1, captured.out
+    assert "FAIL" in captured.out and "FAIL unfused pack 0: logits" in captured.err
+
+
 def test_label_loss_normalises_by_total_labels():
     """label_loss is the summed token cross entropy divided by the given label count (ignored tokens excluded)."""
     logits = torch.randn(1, 4, 7)
