@@ -1,19 +1,47 @@
-"""Two GPUs against one on the same global batch: loss parity, tokens/s scaling, peak memory, FSDP2 resume/export.
+r"""N GPUs against one on the same packs per optimizer step: loss parity, tokens/s scaling, peak memory, FSDP2
+resume/export.
 
-    python scripts/distributed_parity.py --out artifacts/distributed/parity.json \
+    python scripts/distributed_parity.py --out artifacts/distributed/parity.json [--gpus 2] \
+        [--layouts single,ddp,fsdp2] [--packs-per-step P] [--baseline earlier.json,…] \
         [--recipes recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml] [--steps 30] [--shape-steps 16] \
-        [dotted.key=value ...]
+        [--no-resume | --resume-all] [dotted.key=value ...]
 
 For each recipe, separate launches of train.py (every one with NVLink multicast off, training/distributed.py):
-  single   one GPU, two accumulation micro-batches per step          python train.py
-  ddp      two GPUs, one micro-batch each                             accelerate launch … ddp.yaml
-  fsdp2    two GPUs, sharded, with a checkpoint halfway               accelerate launch … fsdp2.yaml
-  resume   fsdp2 again from that checkpoint (first recipe only, or --resume-all), then its export loaded on the CPU
-The three layouts see the same packs per optimizer step: the loader deals a window of two packs either to two ranks
-(`packing.balance_window_steps=1`) or to two consecutive micro-steps of one rank (`=2`), and the loss is
-normalised by the global label count, so the curves may differ only by reduction order in bf16.
-Scaling efficiency = tokens/s per GPU on two GPUs ÷ tokens/s on one (train.py's mean after the warm-up steps).
-Prints a table and writes every number (and the per-step losses) as JSON to --out.
+  single   one GPU, P accumulation micro-steps per optimizer step    python train.py
+  ddp      N GPUs, P/N micro-steps each                              accelerate launch … ddp.yaml
+  fsdp2    N GPUs, sharded, with a checkpoint halfway                accelerate launch … fsdp2.yaml
+  resume   fsdp2 again from that checkpoint, then its export loaded on the CPU (first recipe only; every recipe
+           with --resume-all; none with --no-resume or without fsdp2 in --layouts)
+N = --gpus (default 2); P = --packs-per-step (default N), the packs of one optimizer step. Every layout trains on
+the same P packs per optimizer step: each rank accumulates P/ranks micro-steps and `packing.balance_window_steps`
+is set to that count, so the loader's balance window (ranks × window steps = P packs) is exactly one optimizer
+step, dealt either to P/N micro-steps of N ranks or to P micro-steps of one (data/pipeline.py, StepLoader). The
+loss is normalised by the global label count, so the curves may differ only by reduction order in bf16 (and by
+FSDP2's bf16 parameters). Scaling efficiency = tokens/s per GPU ÷ tokens/s on one GPU (train.py's means after the
+warm-up steps). Prints a table and writes every number (and the per-step losses) as JSON to --out.
+
+--layouts runs a subset: a shape whose states do not fit one GPU skips `single`. The 1-GPU reference of the
+"vs 1 GPU" columns is then the single layout of --baseline, if given, else they stay empty.
+--baseline takes --out files of earlier runs (comma list; layouts matched by recipe file name and layout name, a
+later file's replacing an earlier's), e.g. the 2-GPU runs of the same recipes: besides lending their single
+layout, each layout here is compared with the baseline's layout of the same name ("vs baseline": fsdp2 on 4 GPUs
+÷ fsdp2 on 2). tokens/s are always compared; losses only when that baseline layout ran the same --steps with the
+same packs per optimizer step (a 2-GPU baseline for a 4-GPU run: --packs-per-step 4) and the same overrides.
+Files written before --packs-per-step existed (2 packs per step, overrides not recorded) lend tokens/s only.
+
+Issue #9, FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs):
+  S=recipes/bench-qwen2_5_vl-7b-shape.yaml,recipes/bench-qwen3_vl-8b-shape.yaml A=artifacts/distributed
+  # 2 GPUs: 1 GPU and FSDP2 at 4 packs per step, FSDP2 at 8 (the packs per step of the 4- and 8-GPU runs)
+  python scripts/distributed_parity.py --out $A/parity-2gpu-p4.json --gpus 2 --packs-per-step 4 \
+      --layouts single,fsdp2 --no-resume --steps 12 --shape-steps 12 --launch-timeout 540 --recipes $S
+  python scripts/distributed_parity.py --out $A/parity-2gpu-p8.json --gpus 2 --packs-per-step 8 \
+      --layouts fsdp2 --no-resume --steps 12 --shape-steps 12 --recipes $S
+  # 4 GPUs
+  python scripts/distributed_parity.py --out $A/parity-4gpu.json --gpus 4 --layouts fsdp2 --no-resume \
+      --steps 12 --shape-steps 12 --recipes $S --baseline $A/parity-2gpu-p4.json
+  # 8 GPUs: 1-GPU tokens/s from the p4 file, FSDP2 on 2 GPUs (tokens/s and losses) from the p8 file
+  python scripts/distributed_parity.py --out $A/parity-8gpu.json --gpus 8 --layouts fsdp2 --no-resume \
+      --steps 12 --shape-steps 12 --recipes $S --baseline $A/parity-2gpu-p4.json,$A/parity-2gpu-p8.json
 """
 
 from __future__ import annotations
@@ -36,24 +64,55 @@ from training.config import load_config  # noqa: E402
 from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
+LAYOUTS = ("single", "ddp", "fsdp2")  # what --layouts may name, in launch order
+ACCELERATE_CONFIG = {"ddp": "ddp", "fsdp2": "fsdp2", "resume": "fsdp2"}  # layout → recipes/accelerate/<name>.yaml
+LEGACY_PACKS_PER_STEP = 2  # what every --out file written before --packs-per-step existed ran
 TEARDOWN_GRACE_S = 60  # a rank still alive this long after summary.json is stuck in teardown, not working
-LAYOUT_WINDOW = {"single": 2, "ddp": 1, "fsdp2": 1, "resume": 1}  # packing.balance_window_steps per layout
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma list; the first is the small one")
+    parser.add_argument("--gpus", type=int, default=2, help="processes of the multi-GPU layouts")
+    parser.add_argument(
+        "--layouts", default=",".join(LAYOUTS), help=f"comma list, a subset of {','.join(LAYOUTS)} (run in that order)"
+    )
+    parser.add_argument(
+        "--packs-per-step",
+        type=int,
+        default=None,
+        help="packs of one optimizer step, a multiple of --gpus (default --gpus)",
+    )
+    parser.add_argument(
+        "--baseline", default="", help="comma list of --out files of earlier runs to compare with (later ones win)"
+    )
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps for the first recipe")
     parser.add_argument("--shape-steps", type=int, default=16, help="optimizer steps for the other recipes")
     parser.add_argument("--warmup", type=int, default=5, help="steps excluded from tokens/s")
-    parser.add_argument(
+    resume = parser.add_mutually_exclusive_group()
+    resume.add_argument(
         "--resume-all", action="store_true", help="FSDP2 resume check on every recipe, not just the first"
     )
+    resume.add_argument("--no-resume", action="store_true", help="no FSDP2 resume check")
     parser.add_argument("--loss-tol", type=float, default=0.05, help="max |Δloss| per step that counts as parity")
     parser.add_argument("--launch-timeout", type=int, default=300, help="seconds one launch may take")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every run")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+
+    args.layouts = [name.strip() for name in args.layouts.split(",") if name.strip()]
+    unknown = sorted(set(args.layouts) - set(LAYOUTS))
+    if unknown or not args.layouts or len(set(args.layouts)) != len(args.layouts):
+        parser.error(f"--layouts takes distinct names from {','.join(LAYOUTS)}, got {','.join(args.layouts)!r}.")
+    args.layouts = [name for name in LAYOUTS if name in args.layouts]
+    args.baseline = [path.strip() for path in args.baseline.split(",") if path.strip()]
+    if args.gpus < 2:
+        parser.error(f"--gpus must be >= 2 (the multi-GPU layouts' process count), got {args.gpus}.")
+    if args.packs_per_step is None:
+        args.packs_per_step = args.gpus
+    if args.packs_per_step < args.gpus or args.packs_per_step % args.gpus:
+        parser.error(f"--packs-per-step must be a multiple of --gpus ({args.gpus}), got {args.packs_per_step}.")
+    return args
 
 
 def free_port() -> int:
@@ -62,31 +121,78 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def command_for(layout: str) -> list[str]:
+def num_processes(layout: str, gpus: int) -> int:
+    return 1 if layout == "single" else gpus
+
+
+def command_for(layout: str, gpus: int, port: int) -> list[str]:
+    """The launcher of one layout, train.py's own arguments to follow: `python train.py` for single, otherwise
+    `accelerate launch` of `gpus` processes with the layout's accelerate config, rendezvous on `port`."""
     if layout == "single":
         return [sys.executable, "train.py"]
-    config = "ddp" if layout == "ddp" else "fsdp2"
     return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
         "--config_file",
-        f"recipes/accelerate/{config}.yaml",
+        f"recipes/accelerate/{ACCELERATE_CONFIG[layout]}.yaml",
         "--num_processes",
-        "2",
+        str(gpus),
         "--main_process_port",
-        str(free_port()),
+        str(port),
         "train.py",
     ]
 
 
-def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], timeout: int) -> dict:
+def micro_steps(layout: str, gpus: int, packs_per_step: int) -> int:
+    """Accumulation micro-steps per optimizer step of each rank, so that the layout's ranks share packs_per_step."""
+    return packs_per_step // num_processes(layout, gpus)
+
+
+def micro_step_overrides(layout: str, gpus: int, packs_per_step: int) -> list[str]:
+    """The layout's accumulation and the loader's balance window, equal, so one window is one optimizer step."""
+    count = micro_steps(layout, gpus, packs_per_step)
+    return [f"train.grad_accum_steps={count}", f"packing.balance_window_steps={count}"]
+
+
+def common_overrides(args: argparse.Namespace, steps: int) -> list[str]:
+    """Overrides of every launch of one recipe: its step count, per-step logging, no eval, a fresh start; then the
+    user's own."""
+    return [
+        f"train.max_steps={steps}",
+        f"logging.timing_warmup_steps={args.warmup}",
+        "logging.every_steps=1",
+        "logging.report_to=none",
+        "logging.progress_bar=false",
+        "train.eval_every=0",
+        "checkpoint.resume=null",
+        *args.overrides,
+    ]
+
+
+def launch_plan(args: argparse.Namespace, steps: int, with_resume: bool) -> dict[str, list[str]]:
+    """train.py overrides of each layout in --layouts, in launch order. With `with_resume`, fsdp2 checkpoints
+    halfway and exports at the end for the resume check (planned by check_resume, which needs that checkpoint)."""
+    no_checkpoints = ["checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.export=false"]
+    halfway = [f"checkpoint.every_steps={steps // 2}", "checkpoint.keep_last=2", "checkpoint.save_final=false"]
+    plan = {}
+    for layout in args.layouts:
+        checkpoints = [*halfway, "checkpoint.export=true"] if layout == "fsdp2" and with_resume else no_checkpoints
+        plan[layout] = [
+            *common_overrides(args, steps),
+            *micro_step_overrides(layout, args.gpus, args.packs_per_step),
+            *checkpoints,
+        ]
+    return plan
+
+
+def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], gpus: int, timeout: int) -> dict:
     """One train.py launch; returns {"summary", "losses" (step → loss), "wall_s", "teardown_hang"}; raises on
     failure or timeout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):
         (run_dir / stale).unlink(missing_ok=True)
-    command = [*command_for(layout), "--config", recipe, *overrides, f"train.output_dir={run_dir}"]
+    command = [*command_for(layout, gpus, free_port()), "--config", recipe, *overrides, f"train.output_dir={run_dir}"]
     env = {**os.environ, **SAFE_COLLECTIVES_ENV}
     if layout == "single":
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
@@ -140,81 +246,147 @@ def max_gap(a: dict[int, float], b: dict[int, float]) -> float | None:
     return max(abs(a[s] - b[s]) for s in common) if common else None
 
 
-def check_recipe(recipe: str, steps: int, args: argparse.Namespace, out_root: Path, with_resume: bool) -> dict:
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def check_recipe(
+    recipe: str, steps: int, args: argparse.Namespace, out_root: Path, with_resume: bool, baseline: dict | None
+) -> dict:
     cfg = load_config(recipe, args.overrides)
     if cfg.train.grad_accum_steps != 1:
-        raise ValueError(f"{recipe}: train.grad_accum_steps must be 1 here (the one-GPU run accumulates 2 itself).")
-    half = steps // 2
-    common = [
-        f"train.max_steps={steps}",
-        f"logging.timing_warmup_steps={args.warmup}",
-        "logging.every_steps=1",
-        "logging.report_to=none",
-        "logging.progress_bar=false",
-        "train.eval_every=0",
-        "checkpoint.resume=null",
-    ]
-    common += args.overrides
-    no_checkpoints = ["checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.export=false"]
-    halfway = [f"checkpoint.every_steps={half}", "checkpoint.keep_last=2", "checkpoint.save_final=false"]
-    plan = {
-        "single": ["train.grad_accum_steps=2", *no_checkpoints],
-        "ddp": no_checkpoints,
-        "fsdp2": [*halfway, "checkpoint.export=true"] if with_resume else no_checkpoints,
-    }
+        raise ValueError(
+            f"{recipe}: train.grad_accum_steps must be 1 here (each layout accumulates --packs-per-step / ranks)."
+        )
     name = Path(recipe).stem
     runs, errors = {}, {}
-    for layout, extra in plan.items():
-        window = f"packing.balance_window_steps={LAYOUT_WINDOW[layout]}"
+    for layout, overrides in launch_plan(args, steps, with_resume).items():
         try:
-            runs[layout] = launch(
-                layout, recipe, out_root / name / layout, [*common, window, *extra], args.launch_timeout
-            )
+            runs[layout] = launch(layout, recipe, out_root / name / layout, overrides, args.gpus, args.launch_timeout)
         except RuntimeError as error:  # e.g. out of memory in one layout: the others are still worth measuring
             errors[layout] = str(error)
             print(f"[parity] {layout} FAILED: {str(error)[:2000]}", flush=True)
-
-    single = runs.get("single")
-    result = {"recipe": recipe, "steps": steps, "layouts": {}, "errors": errors}
-    for layout, run in runs.items():
-        summary = run["summary"]
-        tps = summary["tokens_per_s_per_gpu"]
-        base_tps = single["summary"]["tokens_per_s_per_gpu"] if single else None
-        result["layouts"][layout] = {
-            "num_processes": summary["num_processes"],
-            "tokens_per_s_per_gpu": tps,
-            "scaling_efficiency": tps / base_tps if layout != "single" and tps and base_tps else None,
-            "mfu": summary["mfu"],
-            "peak_mem_gib_rank0": summary["peak_mem_gib"],
-            "loss_end": summary["loss_end"],
-            "max_abs_dloss_vs_single": (
-                max_gap(run["losses"], single["losses"]) if layout != "single" and single else None
-            ),
-            "teardown_hang": run["teardown_hang"],
-            "wall_s": run["wall_s"],
-            "losses": run["losses"],
-        }
+    result = summarize(recipe, steps, args, runs, errors, baseline)
     if with_resume and "fsdp2" in runs:
         try:
-            result["fsdp2_resume"] = check_resume(recipe, runs["fsdp2"], half, common, out_root / name, args)
+            result["fsdp2_resume"] = check_resume(recipe, runs["fsdp2"], steps, args, out_root / name)
         except RuntimeError as error:
             errors["resume"] = str(error)
             print(f"[parity] resume FAILED: {str(error)[:2000]}", flush=True)
     return result
 
 
-def check_resume(recipe: str, full: dict, half: int, common: list[str], root: Path, args) -> dict:
+def summarize(
+    recipe: str, steps: int, args: argparse.Namespace, runs: dict[str, dict], errors: dict, baseline: dict | None
+) -> dict:
+    """One recipe's JSON result from its launches (launch's dicts by layout) and the baseline's layouts for the
+    same recipe (one entry of load_baseline's answer, or None). The 1-GPU reference is this run's single layout,
+    else the baseline's; a baseline layout's losses are compared only when it trained on the same packs as this
+    run (same steps, packs per step and overrides), its tokens/s always."""
+
+    def same_packs(row: dict) -> bool:
+        return (row["steps"], row["packs_per_step"], row["overrides"]) == (steps, args.packs_per_step, args.overrides)
+
+    baseline = baseline or {}
+    if "single" in runs:
+        single = runs["single"]
+        one_gpu = {
+            "tokens_per_s_per_gpu": single["summary"]["tokens_per_s_per_gpu"],
+            "losses": single["losses"],
+            "source": "this run",
+        }
+    elif "single" in baseline:
+        row = baseline["single"]
+        one_gpu = {
+            "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
+            "losses": row["losses"] if same_packs(row) else {},  # other packs: its tokens/s count, its losses not
+            "source": "baseline",
+        }
+    else:
+        one_gpu = None
+
+    result = {"recipe": recipe, "steps": steps, "packs_per_step": args.packs_per_step, "layouts": {}}
+    for layout, run in runs.items():
+        summary, losses = run["summary"], run["losses"]
+        tps = summary["tokens_per_s_per_gpu"]
+        reference = one_gpu if layout != "single" else None
+        twin = baseline.get(layout)
+        result["layouts"][layout] = {
+            "num_processes": summary["num_processes"],
+            "grad_accum_steps": micro_steps(layout, args.gpus, args.packs_per_step),
+            "tokens_per_s_per_gpu": tps,
+            "scaling_efficiency": ratio(tps, reference["tokens_per_s_per_gpu"]) if reference else None,
+            "mfu": summary["mfu"],
+            "peak_mem_gib_rank0": summary["peak_mem_gib"],
+            "loss_end": summary["loss_end"],
+            "max_abs_dloss_vs_single": max_gap(losses, reference["losses"]) if reference else None,
+            "single_from": reference["source"] if reference else None,
+            "vs_baseline": None
+            if twin is None
+            else {
+                "num_processes": twin["num_processes"],
+                "scaling_efficiency": ratio(tps, twin["tokens_per_s_per_gpu"]),
+                "max_abs_dloss": max_gap(losses, twin["losses"]) if same_packs(twin) else None,
+            },
+            "teardown_hang": run["teardown_hang"],
+            "wall_s": run["wall_s"],
+            "losses": losses,
+        }
+    result["errors"] = errors
+    lent_single = one_gpu is not None and one_gpu["source"] == "baseline"
+    used = [layout for layout in baseline if layout in runs or (layout == "single" and lent_single)]
+    if used:
+        result["baseline"] = {
+            layout: {
+                "path": baseline[layout]["path"],
+                "steps": baseline[layout]["steps"],
+                "packs_per_step": baseline[layout]["packs_per_step"],
+                "losses_compared": same_packs(baseline[layout]),
+            }
+            for layout in used
+        }
+    return result
+
+
+def load_baseline(paths: list[str]) -> dict[str, dict[str, dict]]:
+    """Earlier --out files' layouts by recipe file name (stem) and layout, each as {"path", "steps",
+    "packs_per_step", "overrides" (None where the file predates them), "num_processes", "tokens_per_s_per_gpu",
+    "losses" (int step → loss)}. Files are read in order; a recipe's layout in a later file replaces the earlier."""
+    baselines: dict[str, dict[str, dict]] = {}
+    for path in paths:
+        try:
+            report = json.loads(Path(path).read_text())
+            results = report["results"]
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"--baseline {path}: not a distributed_parity.py --out file ({error!r}).") from error
+        for result in results:
+            layouts = baselines.setdefault(Path(result["recipe"]).stem, {})
+            for layout, row in result["layouts"].items():
+                layouts[layout] = {
+                    "path": path,
+                    "steps": result["steps"],
+                    "packs_per_step": result.get("packs_per_step", LEGACY_PACKS_PER_STEP),
+                    "overrides": report.get("overrides"),
+                    "num_processes": row["num_processes"],
+                    "tokens_per_s_per_gpu": row["tokens_per_s_per_gpu"],
+                    "losses": {int(step): loss for step, loss in row["losses"].items()},
+                }
+    return baselines
+
+
+def check_resume(recipe: str, full: dict, steps: int, args: argparse.Namespace, root: Path) -> dict:
     """FSDP2 relaunched from the halfway checkpoint must log the same losses afterwards; its export must load."""
+    half = steps // 2
     checkpoint = Path(full["summary"]["run_dir"]) / "checkpoints" / f"step_{half:08d}"
     overrides = [
-        *common,
-        f"packing.balance_window_steps={LAYOUT_WINDOW['resume']}",
+        *common_overrides(args, steps),
+        *micro_step_overrides("resume", args.gpus, args.packs_per_step),
         f"checkpoint.resume={checkpoint}",
         "checkpoint.every_steps=0",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
     ]
-    resumed = launch("resume", recipe, root / "fsdp2-resumed", overrides, args.launch_timeout)
+    resumed = launch("resume", recipe, root / "fsdp2-resumed", overrides, args.gpus, args.launch_timeout)
     after = {s: loss for s, loss in full["losses"].items() if s > half}
     export_dir = full["summary"]["export_dir"]
     return {
@@ -248,43 +420,88 @@ def _fmt(value, spec: str) -> str:
     return "–" if value is None else format(value, spec)
 
 
+def _verdict(gap: float | None, tol: float) -> str:
+    return "" if gap is None else (" ✓" if gap <= tol else " ✗")
+
+
 def table(results: list[dict], tol: float) -> str:
-    lines = [
-        "| recipe | layout | GPUs | tokens/s/GPU | scaling vs 1 GPU | MFU | peak mem rank 0 (GiB) "
-        "| max \\|Δloss\\| vs 1 GPU |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
+    """Markdown table of the results; "(baseline)" marks a 1-GPU reference taken from --baseline, and the
+    baseline columns (only when one was given) name the baseline layout's GPU count."""
+    with_baseline = any("baseline" in result for result in results)
+    header = (
+        "| recipe | layout | GPUs | micro-steps | tokens/s/GPU | scaling vs 1 GPU | MFU | peak mem rank 0 (GiB) "
+        "| max \\|Δloss\\| vs 1 GPU |"
+    )
+    rule = "|---|---|---:|---:|---:|---:|---:|---:|---:|"
+    if with_baseline:
+        header += " scaling vs baseline | max \\|Δloss\\| vs baseline |"
+        rule += "---:|---:|"
+    lines = [header, rule]
     for result in results:
         for layout, row in result["layouts"].items():
             gap = row["max_abs_dloss_vs_single"]
-            verdict = "" if gap is None else (" ✓" if gap <= tol else " ✗")
             mfu = None if row["mfu"] is None else 100 * row["mfu"]
-            lines.append(
-                f"| {Path(result['recipe']).stem} | {layout} | {row['num_processes']} "
-                f"| {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} | {_fmt(row['scaling_efficiency'], '.1%')} "
-                f"| {_fmt(mfu, '.1f')} | {_fmt(row['peak_mem_gib_rank0'], '.1f')} | {_fmt(gap, '.2e')}{verdict} |"
+            source = " (baseline)" if row["single_from"] == "baseline" and row["scaling_efficiency"] else ""
+            line = (
+                f"| {Path(result['recipe']).stem} | {layout} | {row['num_processes']} | {row['grad_accum_steps']} "
+                f"| {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} | {_fmt(row['scaling_efficiency'], '.1%')}{source} "
+                f"| {_fmt(mfu, '.1f')} | {_fmt(row['peak_mem_gib_rank0'], '.1f')} | {_fmt(gap, '.2e')}"
+                f"{_verdict(gap, tol)} |"
             )
+            if with_baseline:
+                twin = row["vs_baseline"] or {}
+                gpus = twin.get("num_processes")
+                of = f" vs {gpus} GPU{'s' * (gpus > 1)}" if twin else ""
+                twin_gap = twin.get("max_abs_dloss")
+                line += (
+                    f" {_fmt(twin.get('scaling_efficiency'), '.1%')}{of} "
+                    f"| {_fmt(twin_gap, '.2e')}{_verdict(twin_gap, tol)} |"
+                )
+            lines.append(line)
     return "\n".join(lines)
+
+
+def passed(result: dict, tol: float) -> bool:
+    """Every compared loss curve within `tol`, the resume check (if any) reproduced and exported, no launch failed."""
+    gaps = [row["max_abs_dloss_vs_single"] for row in result["layouts"].values()]
+    gaps += [row["vs_baseline"]["max_abs_dloss"] for row in result["layouts"].values() if row["vs_baseline"]]
+    resume = result.get("fsdp2_resume")
+    if resume:
+        gaps.append(resume["max_abs_dloss"] or 0.0)
+        if resume["export_loads_on_cpu"] != "ok":
+            return False
+    return not result["errors"] and all(gap is None or gap <= tol for gap in gaps)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    baselines = load_baseline(args.baseline)
     import torch
 
-    if torch.cuda.device_count() < 2:
-        sys.exit(f"[parity] needs 2 GPUs, found {torch.cuda.device_count()}.")
+    gpus_needed = max(num_processes(layout, args.gpus) for layout in args.layouts)
+    if torch.cuda.device_count() < gpus_needed:
+        sys.exit(f"[parity] needs {gpus_needed} GPUs, found {torch.cuda.device_count()}.")
     recipes = [r.strip() for r in args.recipes.split(",") if r.strip()]
     out = Path(args.out)
-    out_root = out.parent / "runs"
+    out_root = out.parent / "runs" / out.stem  # one tree per --out file: a later run keeps an earlier one's logs
     start = time.perf_counter()
     results = []
     for index, recipe in enumerate(recipes):
         steps = args.steps if index == 0 else args.shape_steps
-        results.append(check_recipe(recipe, steps, args, out_root, with_resume=index == 0 or args.resume_all))
+        with_resume = "fsdp2" in args.layouts and not args.no_resume and (index == 0 or args.resume_all)
+        baseline = baselines.get(Path(recipe).stem)
+        if args.baseline and baseline is None:
+            print(f"[parity] --baseline has no result for {Path(recipe).stem}: no baseline columns for it.")
+        results.append(check_recipe(recipe, steps, args, out_root, with_resume, baseline))
     report = {
         "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-        "device": f"2x {torch.cuda.get_device_name(0)}",
+        "device": f"{gpus_needed}x {torch.cuda.get_device_name(0)}",
         "torch": torch.__version__,
+        "gpus": args.gpus,
+        "layouts": args.layouts,
+        "packs_per_step": args.packs_per_step,
+        "overrides": args.overrides,
+        "baseline": args.baseline,
         "loss_tol": args.loss_tol,
         "env": SAFE_COLLECTIVES_ENV,
         "results": results,
@@ -293,23 +510,25 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")
     print("\n" + table(results, args.loss_tol))
-    ok = True
     for result in results:
+        name = Path(result["recipe"]).stem
         resume = result.get("fsdp2_resume")
         if resume:
             print(
-                f"\nFSDP2 resume ({Path(result['recipe']).stem}): steps {resume['steps_compared']}, max |Δloss| "
+                f"\nFSDP2 resume ({name}): steps {resume['steps_compared']}, max |Δloss| "
                 f"{_fmt(resume['max_abs_dloss'], '.2e')}; export on CPU: {resume['export_loads_on_cpu']}"
             )
-            ok &= resume["export_loads_on_cpu"] == "ok" and (resume["max_abs_dloss"] or 0.0) <= args.loss_tol
-        for row in result["layouts"].values():
-            gap = row["max_abs_dloss_vs_single"]
-            ok &= gap is None or gap <= args.loss_tol
+        for layout, base in result.get("baseline", {}).items():
+            if not base["losses_compared"]:
+                print(
+                    f"\n{name}: losses not compared with the baseline's {layout} ({base['path']}): it ran "
+                    f"{base['steps']} steps of {base['packs_per_step']} packs (this run: {result['steps']} of "
+                    f"{result['packs_per_step']}), or other (or unrecorded) overrides."
+                )
         for layout in result["errors"]:
-            print(f"\n{Path(result['recipe']).stem} {layout}: FAILED (see the JSON and its train.log)")
-            ok = False
+            print(f"\n{name} {layout}: FAILED (see the JSON and its train.log)")
     print(f"\n[parity] {report['wall_s']:.0f} s in all; wrote {out}")
-    return 0 if ok else 1
+    return 0 if all(passed(result, args.loss_tol) for result in results) else 1
 
 
 if __name__ == "__main__":
