@@ -25,8 +25,10 @@ def overrides_of(plan_entry: list[str]) -> dict[str, str]:
     return dict(item.split("=", 1) for item in plan_entry)
 
 
-def fake_run(num_processes: int, tokens_per_s: float, losses: dict[int, float]) -> dict:
-    """What launch() returns for one finished train.py run."""
+def fake_run(
+    num_processes: int, tokens_per_s: float, losses: dict[int, float], grad_norms: dict[int, float] | None = None
+) -> dict:
+    """What launch() returns for one finished train.py run (by default a gradient norm of 10 at every step)."""
     summary = {
         "num_processes": num_processes,
         "tokens_per_s_per_gpu": tokens_per_s,
@@ -36,7 +38,8 @@ def fake_run(num_processes: int, tokens_per_s: float, losses: dict[int, float]) 
         "run_dir": "unused",
         "export_dir": None,
     }
-    return {"summary": summary, "losses": losses, "wall_s": 10.0, "teardown_hang": False}
+    grad_norms = dict.fromkeys(losses, 10.0) if grad_norms is None else grad_norms
+    return {"summary": summary, "losses": losses, "grad_norms": grad_norms, "wall_s": 10.0, "teardown_hang": False}
 
 
 def write_baseline(path: Path, args, runs: dict[str, dict], steps: int, recipe: str = "recipes/x-shape.yaml") -> None:
@@ -146,11 +149,13 @@ def test_layouts_filter_and_order():
         ["--gpus", "4", "--packs-per-step", "6"],
         ["--gpus", "4", "--packs-per-step", "2"],
         ["--no-resume", "--resume-all"],
+        ["--layouts", "ddp,fsdp2", "--repeat-single"],
     ],
 )
 def test_bad_arguments_are_refused(argv):
-    """Unknown, repeated or no layouts, fewer than 2 GPUs, packs per step that the GPUs cannot share, and
-    contradictory resume flags end in a usage error before anything launches."""
+    """Unknown, repeated or no layouts, fewer than 2 GPUs, packs per step that the GPUs cannot share,
+    contradictory resume flags and a repeat of a single layout that is not run end in a usage error before
+    anything launches."""
     with pytest.raises(SystemExit):
         parity.parse_args(["--out", "x.json", *argv])
 
@@ -279,6 +284,55 @@ def test_own_single_run_is_the_reference_without_baseline():
     assert not parity.passed(result, tol=0.05)
 
 
+def test_repeat_single_is_one_gpu_with_the_single_overrides():
+    """--repeat-single launches the single layout's exact command again, right after it, on one GPU."""
+    args = parity.parse_args(["--out", "r.json", "--gpus", "4", "--repeat-single", "data.seed=1"])
+    plan = parity.launch_plan(args, steps=10, with_resume=False)
+    assert list(plan) == ["single", parity.REPEAT, "ddp", "fsdp2"]
+    assert plan[parity.REPEAT] == plan["single"]
+    assert parity.num_processes(parity.REPEAT, 4) == 1
+    assert parity.command_for(parity.REPEAT, 4, PORT) == parity.command_for("single", 4, PORT)
+
+
+def test_repeat_sets_the_loss_tolerance():
+    """With a repeat, a loss curve passes within 2x the 1-GPU run's gap to its repeat (not the fixed --loss-tol,
+    which still holds where it is larger); the repeat's own row is marked as the noise, not judged; without a
+    repeat the fixed tolerance judges."""
+    single = fake_run(1, 4000.0, {1: 12.0, 2: 9.0, 3: 7.0})
+    repeat = fake_run(1, 3990.0, {1: 12.0, 2: 9.3, 3: 7.1})
+    args = parity.parse_args(["--out", "r.json", "--repeat-single"])
+    for ddp_step2, ok in ((9.55, True), (9.65, False)):
+        ddp = fake_run(2, 3800.0, {1: 12.0, 2: ddp_step2, 3: 7.0})
+        result = parity.summarize(
+            "recipes/x-shape.yaml", 3, args, {"single": single, parity.REPEAT: repeat, "ddp": ddp}, {}, None
+        )
+        assert result["noise_max_abs_dloss"] == pytest.approx(0.3)
+        assert parity.loss_tolerance(result, tol=0.05) == pytest.approx(0.6)
+        assert parity.loss_tolerance(result, tol=0.8) == 0.8
+        assert parity.passed(result, tol=0.05) is ok
+        lines = parity.table([result], tol=0.05).splitlines()
+        assert lines[3].startswith(f"| x-shape | {parity.REPEAT} |") and lines[3].endswith("(noise) |")
+        assert lines[4].endswith(" ✓ |" if ok else " ✗ |")
+    no_repeat = parity.summarize("recipes/x-shape.yaml", 3, args, {"single": single, "ddp": ddp}, {}, None)
+    assert "noise_max_abs_dloss" not in no_repeat
+    assert parity.loss_tolerance(no_repeat, tol=0.05) == 0.05
+
+
+@pytest.mark.parametrize(("norm", "ok"), [(10.05, True), (10.2, False), (None, True)])
+def test_step1_gradient_norm_gap(norm, ok):
+    """The step-1 gradient norm (same weights, same packs) is compared relative to the 1-GPU run's: 0.5% passes,
+    2% fails the run whatever the loss curves; a run that did not log step 1 is not compared."""
+    single = fake_run(1, 4000.0, {1: 12.0, 2: 9.0}, {1: 10.0, 2: 8.0})
+    norms = {2: 8.0} if norm is None else {1: norm, 2: 8.0}
+    fsdp2 = fake_run(2, 3800.0, {1: 12.0, 2: 9.0}, norms)
+    args = parity.parse_args(["--out", "r.json"])
+    result = parity.summarize("recipes/x-shape.yaml", 2, args, {"single": single, "fsdp2": fsdp2}, {}, None)
+    gap = result["layouts"]["fsdp2"]["step1_grad_norm_rel_vs_single"]
+    assert gap == (None if norm is None else pytest.approx(abs(norm - 10.0) / 10.0))
+    assert parity.passed(result, tol=0.05) is ok
+    assert parity.table([result], tol=0.05).splitlines()[3].count("✗") == (0 if ok else 1)
+
+
 def test_load_baseline_refuses_other_json(tmp_path):
     """A file that is not a distributed_parity.py result is a clear ValueError naming the flag, not a KeyError."""
     path = tmp_path / "summary.json"
@@ -307,8 +361,9 @@ def test_main_writes_a_file_the_next_run_can_use_as_baseline(tmp_path, monkeypat
     common = ["--recipes", recipe, "--steps", "2", "--no-resume", "data.seed=1"]
     base = tmp_path / "p4.json"
     argv = ["--out", str(base), "--gpus", "2", "--packs-per-step", "4", "--layouts", "single,fsdp2", *common]
-    assert parity.main(argv) == 0
-    assert launched == [("single", 1, 4), ("fsdp2", 2, 2)]
+    assert parity.main([*argv, "--repeat-single"]) == 0
+    assert launched == [("single", 1, 4), (parity.REPEAT, 1, 4), ("fsdp2", 2, 2)]
+    assert "the 1-GPU run and its repeat differ by up to 0.00e+00" in capsys.readouterr().out
 
     launched.clear()
     out = tmp_path / "p4-4gpu.json"

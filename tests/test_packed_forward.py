@@ -183,6 +183,30 @@ def test_bf16_cpu_vision_heavy_pack_passes():
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
+def test_check_runs_fp32_in_ieee_precision_whatever_the_tf32_settings():
+    """Every forward of the check (the bf16 runs and their fp32 copy) sees IEEE fp32 for matmuls and cuDNN
+    convolutions, even where the process allows TF32 (cuDNN convolutions do by default), and the process's settings
+    come back afterwards: the fp32 comparisons are judged at the fp32 tolerance."""
+    backends = {"matmul": torch.backends.cuda.matmul, "conv": torch.backends.cudnn.conv}
+    saved = {name: backend.fp32_precision for name, backend in backends.items()}
+    seen = []
+    model = tiny_model("qwen2_5_vl", dtype="bfloat16")
+    enable_packed_forward(model)
+    try:
+        for backend in backends.values():
+            backend.fp32_precision = "tf32"
+        with torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda module, args: seen.append(tuple(b.fp32_precision for b in backends.values()))
+        ):
+            report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK[:2]))
+        assert report.exact, "no fp32 copy compared"
+        assert seen and set(seen) == {("ieee", "ieee")}
+        assert {name: backend.fp32_precision for name, backend in backends.items()} == dict.fromkeys(backends, "tf32")
+    finally:
+        for name, backend in backends.items():
+            backend.fp32_precision = saved[name]
+
+
 def _gdn_layer_and_pack(family: str):
     model = tiny_model(family)
     layer = gated_delta.gated_delta_layers(model)[0]

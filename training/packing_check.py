@@ -32,6 +32,8 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -253,8 +255,32 @@ def compare_packed_to_per_sample(
     by default `pack_samples` builds it. `model` must have packed forward enabled
     (training.packed.enable_packed_forward). Its gradients are cleared before each run and left holding the
     packed run's. All tensors are on the model's device. MoE routing of the packed run is pinned to the per-sample
-    run's choices (module docstring). A bf16/fp16 model is also run as an fp32 copy (module docstring).
+    run's choices (module docstring). A bf16/fp16 model is also run as an fp32 copy (module docstring). fp32 work
+    runs in IEEE fp32 whatever the process's TF32 settings (`ieee_fp32`).
     """
+    with ieee_fp32():
+        return _compare(model, samples, batch)
+
+
+@contextmanager
+def ieee_fp32() -> Iterator[None]:
+    """fp32 matmuls and cuDNN convolutions in IEEE fp32, not TF32, their settings restored afterwards (PyTorch's
+    `fp32_precision` API; inside, reading the legacy `torch.backends.cudnn.allow_tf32` raises, as PyTorch does for any
+    mix of the two APIs). The fp32 runs are judged at the fp32 tolerance, but cuDNN convolves fp32 in TF32 by
+    default: its 10-bit mantissa turns 1e-7 differences in the inputs into 1e-4 ones (on the H200: the vision patch
+    embedding's weight gradient, a sum over every patch, in the fp32 copy of a bf16 model)."""
+    backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
+    saved = [backend.fp32_precision for backend in backends]
+    try:
+        for backend in backends:
+            backend.fp32_precision = "ieee"
+        yield
+    finally:
+        for backend, precision in zip(backends, saved, strict=True):
+            backend.fp32_precision = precision
+
+
+def _compare(model: torch.nn.Module, samples: list[Sample], batch: dict | None) -> PackingReport:
     num_labels = int(sum((s.shift_labels != IGNORE_INDEX).sum() for s in samples))
     batch = pack_samples(model, samples) if batch is None else batch
     routing = PinnedRouting()
