@@ -184,6 +184,17 @@ def test_schedule_and_param_groups():
     assert {id(p) for g in groups.values() for p in g["params"]} == trainable
 
 
+def test_trainable_counts_count_a_tied_lm_head_once():
+    """The start-up log's parameters per part add up to the model's, with the lm_head tied to the embeddings (as in
+    the 3B-class recipes), where the LLM part holds that matrix twice."""
+    tied = ["model.config.tie_word_embeddings=true", "model.config.text_config.tie_word_embeddings=true"]
+    with torch.device("meta"):
+        model = build_model(load_config(TINY, tied).model)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    counts = parts.trainable_counts(model)
+    assert sum(counts.values()) == sum(p.numel() for p in model.parameters())
+
+
 def test_export_loads_and_generates(finished_run):
     """The export loads with AutoModelForImageTextToText + AutoProcessor and generates from an image prompt."""
     _, summary = finished_run

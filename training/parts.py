@@ -66,8 +66,11 @@ def enable_gradient_checkpointing(model: nn.Module, llm: bool, vision: bool) -> 
 
 
 def trainable_counts(model: nn.Module) -> dict[str, int]:
-    """Trainable parameter count per part (for the start-up log)."""
-    return {
-        part: sum(p.numel() for m in modules for p in m.parameters() if p.requires_grad)
-        for part, modules in part_modules(model).items()
-    }
+    """Trainable parameter count per part (for the start-up log); a tied lm_head/embedding matrix counts once."""
+    seen: set[int] = set()
+    counts = {}
+    for part, modules in part_modules(model).items():
+        params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad and id(p) not in seen}
+        seen |= params.keys()
+        counts[part] = sum(p.numel() for p in params.values())
+    return counts
