@@ -39,8 +39,9 @@ Files written before --packs-per-step existed (2 packs per step, overrides not r
 
 Issue #9, FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs):
   S=recipes/bench-qwen2_5_vl-7b-shape.yaml,recipes/bench-qwen3_vl-8b-shape.yaml A=artifacts/distributed
-  # 2 GPUs: 1 GPU and FSDP2 at 4 packs per step, FSDP2 at 8 (the packs per step of the 4- and 8-GPU runs)
-  python scripts/distributed_parity.py --out $A/parity-2gpu-p4.json --gpus 2 --packs-per-step 4 \
+  # 2 GPUs: 1 GPU (twice: its own noise) and FSDP2 at 4 packs per step, FSDP2 at 8 (the packs per step of the 4-
+  # and 8-GPU runs)
+  python scripts/distributed_parity.py --out $A/parity-2gpu-p4.json --gpus 2 --packs-per-step 4 --repeat-single \
       --layouts single,fsdp2 --no-resume --steps 12 --shape-steps 12 --launch-timeout 540 --recipes $S
   python scripts/distributed_parity.py --out $A/parity-2gpu-p8.json --gpus 2 --packs-per-step 8 \
       --layouts fsdp2 --no-resume --steps 12 --shape-steps 12 --recipes $S
@@ -326,8 +327,9 @@ def summarize(
     """One recipe's JSON result from its launches (launch's dicts by layout) and the baseline's layouts for the
     same recipe (one entry of load_baseline's answer, or None). The 1-GPU reference is this run's single layout,
     else the baseline's; a baseline layout's losses are compared only when it trained on the same packs as this
-    run (same steps, packs per step and overrides), its tokens/s always. With --repeat-single, the repeat's gap to
-    the single run is the result's `noise_max_abs_dloss` (`loss_tolerance`)."""
+    run (same steps, packs per step and overrides), its tokens/s always. The 1-GPU run's gap to its repeat
+    (--repeat-single here, else the baseline's of the same packs) is the result's `noise_max_abs_dloss`
+    (`loss_tolerance`)."""
 
     def same_packs(row: dict) -> bool:
         return (row["steps"], row["packs_per_step"], row["overrides"]) == (steps, args.packs_per_step, args.overrides)
@@ -385,6 +387,8 @@ def summarize(
         }
     if REPEAT in result["layouts"]:
         result["noise_max_abs_dloss"] = result["layouts"][REPEAT]["max_abs_dloss_vs_single"]
+    elif {"single", REPEAT} <= baseline.keys() and same_packs(baseline["single"]) and same_packs(baseline[REPEAT]):
+        result["noise_max_abs_dloss"] = max_gap(baseline[REPEAT]["losses"], baseline["single"]["losses"])
     result["errors"] = errors
     lent_single = one_gpu is not None and one_gpu["source"] == "baseline"
     used = [layout for layout in baseline if layout in runs or (layout == "single" and lent_single)]

@@ -318,6 +318,32 @@ def test_repeat_sets_the_loss_tolerance():
     assert parity.loss_tolerance(no_repeat, tol=0.05) == 0.05
 
 
+@pytest.mark.parametrize("same_packs", [True, False])
+def test_baseline_repeat_lends_its_noise(tmp_path, same_packs):
+    """A 4-GPU run without a single layout takes the loss tolerance from the baseline's 1-GPU run and its repeat,
+    when they trained on the same packs; a baseline on other packs lends neither losses nor noise."""
+    base_args = parity.parse_args(
+        ["--out", "b.json", "--gpus", "2", "--packs-per-step", "4" if same_packs else "2", "--repeat-single"]
+    )
+    base_runs = {
+        "single": fake_run(1, 4000.0, {1: 12.0, 2: 9.0}),
+        parity.REPEAT: fake_run(1, 4000.0, {1: 12.0, 2: 9.4}),
+    }
+    write_baseline(tmp_path / "b.json", base_args, base_runs, steps=2)
+    args = parity.parse_args(["--out", "r.json", "--gpus", "4", "--layouts", "fsdp2"])
+    baseline = parity.load_baseline([str(tmp_path / "b.json")])["x-shape"]
+    run = fake_run(4, 3600.0, {1: 12.0, 2: 9.5})
+    result = parity.summarize("recipes/x-shape.yaml", 2, args, {"fsdp2": run}, {}, baseline)
+    row = result["layouts"]["fsdp2"]
+    if same_packs:  # a 0.5 gap, beyond --loss-tol, within 2x the baseline's noise
+        assert result["noise_max_abs_dloss"] == pytest.approx(0.4)
+        assert row["max_abs_dloss_vs_single"] == pytest.approx(0.5)
+        assert parity.loss_tolerance(result, tol=0.05) == pytest.approx(0.8)
+    else:  # other packs: neither its losses nor its noise apply
+        assert "noise_max_abs_dloss" not in result and row["max_abs_dloss_vs_single"] is None
+    assert parity.passed(result, tol=0.05)
+
+
 @pytest.mark.parametrize(("norm", "ok"), [(10.05, True), (10.2, False), (None, True)])
 def test_step1_gradient_norm_gap(norm, ok):
     """The step-1 gradient norm (same weights, same packs) is compared relative to the 1-GPU run's: 0.5% passes,
