@@ -22,9 +22,9 @@ FSDP2's bf16 parameters). Two checks of that:
   step 1   the gradient norm before any update (same weights, same packs) within --grad-norm-tol (relative) of the
            1-GPU run's: a wrong normalisation or a rank on other data shows here, before training amplifies noise;
   curves   every step's |Δloss| within --loss-tol, or, with --repeat-single, within 2x the gap between the 1-GPU
-           run and its own repeat if larger. The 1-GPU run does not reproduce itself (atomics in bf16 kernels), and
-           from a random init Adam's first steps amplify such differences to tenths of a nat at the full-depth 3B
-           shape (docs/benchmarks.md), so there a fixed tolerance judges the reference's noise, not the layout.
+           run and its own repeat if larger. The 1-GPU run is not bit-reproducible on the GPU, and from a random
+           init Adam's first steps grow its last-bit differences to tenths of a nat at the full-depth 3B shape
+           (docs/benchmarks.md), so there a fixed tolerance judges the reference's noise, not the layout.
 Scaling efficiency = tokens/s per GPU ÷ tokens/s on one GPU (train.py's means after the warm-up steps). Prints a
 table and writes every number (and the per-step losses and gradient norms) as JSON to --out.
 

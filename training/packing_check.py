@@ -267,8 +267,9 @@ def ieee_fp32() -> Iterator[None]:
     """fp32 matmuls and cuDNN convolutions in IEEE fp32, not TF32, their settings restored afterwards (PyTorch's
     `fp32_precision` API; inside, reading the legacy `torch.backends.cudnn.allow_tf32` raises, as PyTorch does for any
     mix of the two APIs). The fp32 runs are judged at the fp32 tolerance, but cuDNN convolves fp32 in TF32 by
-    default: its 10-bit mantissa turns 1e-7 differences in the inputs into 1e-4 ones (on the H200: the vision patch
-    embedding's weight gradient, a sum over every patch, in the fp32 copy of a bf16 model)."""
+    default, a 10-bit mantissa: on the H200 the vision patch embedding's weight gradient (a sum over every patch) of
+    a bf16 model's fp32 copy differed by 1-2e-4 relative between packed and per-sample runs in TF32, and passes in
+    IEEE fp32 (docs/benchmarks.md)."""
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
     saved = [backend.fp32_precision for backend in backends]
     try:
