@@ -59,7 +59,6 @@ import argparse
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -70,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from training.config import load_config  # noqa: E402
-from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
+from training.distributed import SAFE_COLLECTIVES_ENV, free_port, kill_process_tree  # noqa: E402
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
 LAYOUTS = ("single", "ddp", "fsdp2")  # what --layouts may name, in launch order
@@ -142,12 +141,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.packs_per_step < args.gpus or args.packs_per_step % args.gpus:
         parser.error(f"--packs-per-step must be a multiple of --gpus ({args.gpus}), got {args.packs_per_step}.")
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def num_processes(layout: str, gpus: int) -> int:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from training.distributed import kill_process_tree
+from training.distributed import free_port, kill_process_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -110,12 +109,6 @@ def run_processes(command: list[str], log_path: Path, what: str) -> str:
     if code != 0:
         pytest.fail(f"{what} failed (exit {code}); log:\n{output[-3000:]}")
     return output
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:

@@ -9,6 +9,7 @@ at start-up. The plain ring/tree algorithms are what the parity and scaling numb
 from __future__ import annotations
 
 import os
+import socket
 from typing import Any
 
 import torch
@@ -51,6 +52,13 @@ def check_world_size(num_processes: int) -> None:
             f"{launched} processes were launched but accelerate formed a group of {num_processes}: on a CPU-only "
             "host pass cpu=True to Accelerator (training.distributed.accelerator_kwargs does), or launch one process."
         )
+
+
+def free_port() -> int:
+    """A TCP port free on this host now, for a launcher's rendezvous (`--main_process_port`)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def kill_process_tree(pid: int) -> None:
