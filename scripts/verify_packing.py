@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config, [*args.overrides, "packing.mode=packed"])
     model = build_model(cfg.model, attn_implementation="sdpa").to(args.device)
     model.train()
-    enable_packed_forward(model)
+    enable_packed_forward(model, cfg.kernels.gated_delta)
     rtol = args.rtol if args.rtol is not None else RELATIVE_TOLERANCE[model.dtype]
     merge = model.config.vision_config.spatial_merge_size
 

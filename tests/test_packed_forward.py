@@ -250,7 +250,7 @@ def test_unpatched_gated_delta_leaks(family):
 def test_gated_delta_backend_fails_before_training_when_unavailable(monkeypatch):
     """Asking for fla's Gated DeltaNet kernels where they cannot train fails at enable time, naming the reason,
     and leaves the model untouched; "auto" falls back to the exact torch path."""
-    monkeypatch.setattr(gated_delta, "fla_unusable_reason", lambda: "flash-linear-attention is not installed")
+    monkeypatch.setattr(gated_delta, "fla_blocker", lambda: "flash-linear-attention is not installed")
     model = tiny_model("qwen3_5")
     with pytest.raises(ValueError, match="flash-linear-attention is not installed"):
         enable_packed_forward(model, gated_delta_backend="fla")

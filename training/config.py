@@ -38,6 +38,9 @@ class ModelConfig:
 @dataclass
 class KernelsConfig:
     mrope: Literal["fused", "unfused", "auto"] = "auto"  # auto: fused when supported, else unfused with a warning
+    # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly (self-checked where fla
+    # would refuse), else the boundary-exact torch path; the run logs which and why (training/gated_delta.py)
+    gated_delta: Literal["auto", "torch", "fla"] = "auto"
 
 
 @dataclass

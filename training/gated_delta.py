@@ -7,26 +7,40 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
 - "fla": flash-linear-attention's varlen kernels get the pack's `cu_seqlens` explicitly —
   `fla.modules.convolution.causal_conv1d(x, …, cu_seqlens=…)` and
   `fla.ops.gated_delta_rule.chunk_gated_delta_rule(…, cu_seqlens=…)` — on the flat (1, T) pack, no padding.
-  Used only where its backward works: CUDA, and not Hopper with Triton < 3.7.1 (there fla refuses the backward and
-  asks for tilelang).
 - "torch" (everywhere): the layer's own forward with every sample of the pack as its own row of a right-padded
   batch, one batch per power-of-two length class. Conv and delta rule are causal, so the padding after a sample
   never reaches its tokens and each row computes exactly what the sample computes alone. transformers' own torch
   delta rule is forced for the layers' module while this backend is on (transformers would otherwise pick fla
-  when importable, whose backward may refuse). Boundaries come from the pack's host-side lengths: no sync.
+  when importable). Boundaries come from the pack's host-side lengths: no sync.
   Cost: at most 2x the pack's tokens through the layer (64 at least per sample), a few batched calls per layer.
+
+Choosing ("auto"): fla needs a CUDA device. On Hopper with 3.4 <= Triton < 3.7.1, fla 0.6.0 refuses its gated
+backward (fla issue 640, a Triton miscompile; with tilelang installed fla takes tilelang's kernel instead). There
+fla trains only after `training.gated_delta_check` has compared it, on this GPU, with transformers' torch delta rule
+for the model's own head dims and dtype; the refusal is lifted only then. The check's verdict is cached on disk, so
+it and fla's compile are paid once per machine. Otherwise, or when the check fails, the torch path runs. One log
+line says which backend runs and why.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import inspect
+import logging
 import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
+
+from training import gated_delta_check
+from training.gated_delta_check import GatedDeltaDims
+
+log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "torch", "fla"]
 _PATCH_ATTR = "_packed_original_forward"
@@ -39,28 +53,100 @@ def gated_delta_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__.endswith("GatedDeltaNet")]
 
 
-def fla_unusable_reason() -> str | None:
-    """Why fla's varlen Gated DeltaNet cannot train here (None when it can)."""
+@dataclass(frozen=True)
+class BackendChoice:
+    """The backend a model's Gated DeltaNet layers run and the reason, for the run's log."""
+
+    backend: Literal["torch", "fla"]
+    reason: str
+
+
+def fla_blocker() -> str | None:
+    """Why fla's kernels cannot run here at all (None when they can)."""
     if importlib.util.find_spec("fla") is None:
-        return "flash-linear-attention is not installed (pip install flash-linear-attention)"
+        return "flash-linear-attention is not installed (pip install -r requirements-fla.txt)"
     if not torch.cuda.is_available():
         return "fla's kernels need a CUDA device"
-    import triton
-
-    triton_version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
-    if torch.cuda.get_device_capability()[0] == 9 and triton_version < (3, 7, 1):
-        return f"fla's backward refuses on Hopper with Triton {triton.__version__} < 3.7.1 (it asks for tilelang)"
     return None
 
 
-def resolve_backend(backend: Backend) -> Literal["torch", "fla"]:
-    """ "auto" → "fla" where it can train, else "torch"; "fla" raises ValueError with the reason when it cannot."""
-    reason = fla_unusable_reason()
-    if backend == "fla" and reason is not None:
-        raise ValueError(f"Gated DeltaNet backend 'fla' requested but {reason}; use 'torch' or 'auto'.")
-    if backend == "auto":
-        return "fla" if reason is None else "torch"
-    return backend
+def fla_refuses_backward() -> bool:
+    """True where fla 0.6.0 raises in its gated backward: Hopper with 3.4 <= Triton < 3.7.1 (fla issue 640)."""
+    import triton
+
+    triton_version = tuple(int(p) for p in triton.__version__.split("+")[0].split(".")[:3])
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    return hopper and (3, 4, 0) <= triton_version < (3, 7, 1)
+
+
+def fla_delta_rule(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
+    """fla's varlen chunked gated delta rule with the layer's settings (gated_delta_check.DeltaRule)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    return chunk_gated_delta_rule(q, k, v, g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True)[0]
+
+
+@contextlib.contextmanager
+def _fla_backward_allowed() -> Iterator[Callable[[], None]]:
+    """Lift fla's Hopper refusal (its module flag `TRITON_ABOVE_3_7_1`) inside; restore it on exit unless the
+    caller calls the yielded `keep()`."""
+    from fla.ops.common import chunk_o
+
+    saved = chunk_o.TRITON_ABOVE_3_7_1
+    kept = []
+    chunk_o.TRITON_ABOVE_3_7_1 = True
+    try:
+        yield lambda: kept.append(True)
+    finally:
+        if not kept:
+            chunk_o.TRITON_ABOVE_3_7_1 = saved
+
+
+def _check_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def resolve_backend(backend: Backend, dims: set[GatedDeltaDims], dtype: torch.dtype) -> BackendChoice:
+    """ "torch" → torch; "fla" and "auto" → fla where it runs and, where fla would refuse its backward, only after
+    the numeric self-check passed for each of `dims` in `dtype` on this GPU (gated_delta_check, cached on disk).
+    "auto" falls back to torch with the reason; "fla" raises ValueError instead."""
+    if backend == "torch":
+        return BackendChoice("torch", "requested (kernels.gated_delta=torch)")
+    blocker = fla_blocker()
+    if blocker is None and fla_refuses_backward():
+        passed, summary = _self_check(dims, dtype)
+        if passed:
+            return BackendChoice("fla", f"{_backward_kernel()}, after its self-check on this GPU passed ({summary})")
+        blocker = (
+            f"fla failed its numeric self-check against the torch delta rule on this GPU ({summary}; delete that "
+            "file to check again)"
+        )
+    if blocker is None:
+        return BackendChoice("fla", "fla's varlen kernels are supported here")
+    if backend == "fla":
+        raise ValueError(f"Gated DeltaNet backend 'fla' requested but {blocker}; use 'torch' or 'auto'.")
+    return BackendChoice("torch", blocker)
+
+
+def _self_check(dims: set[GatedDeltaDims], dtype: torch.dtype) -> tuple[bool, str]:
+    """Run (or read back) the self-check for every head layout with fla's refusal lifted; keep it lifted only
+    when every check passed. Returns (passed, summary of the worst quantity and where the verdict is cached)."""
+    with _fla_backward_allowed() as keep:
+        checks = [
+            gated_delta_check.cached_check(fla_delta_rule, d, dtype, _check_device()) for d in sorted(dims, key=str)
+        ]
+        passed = all(result.passed for result, _ in checks)
+        if passed:
+            keep()
+    source = "cached" if all(cached for _, cached in checks) else "checked now"
+    worst = "; ".join(result.worst() for result, _ in checks)
+    return passed, f"worst {worst}, {source} in {gated_delta_check.cache_path()}"
+
+
+def _backward_kernel() -> str:
+    if importlib.util.find_spec("tilelang") is not None:
+        return "fla with tilelang's gated backward (Triton < 3.7.1 on Hopper)"
+    return "fla's Triton gated backward on Hopper with Triton < 3.7.1 (its refusal lifted)"
 
 
 def _length_classes(lengths: tuple[int, ...]) -> list[list[int]]:
@@ -128,11 +214,17 @@ def packed_gated_delta_forward(
     """Gated DeltaNet forward that restarts conv and recurrent state at every sample of a pack.
 
     hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a training.packed.PackedSeqlens) → (1, T, hidden).
-    Without a pack (per-sample or padded batches) this is the layer's original forward.
+    Without a pack, the fla backend runs one unpadded sequence (batch 1, no mask, no cache) through the same fla
+    kernels as a pack of one sample, so per-sample and packed training differ only in their boundaries (fla's fp32
+    matmuls run in TF32, and transformers' own forward would convolve with torch); anything else (padded batches,
+    a cache, the torch backend) is the layer's original forward.
     """
     original = getattr(module, _PATCH_ATTR)
     pack = kwargs.pop(pack_kwarg, None)
     if pack is None:
+        if backend == "fla" and cache_params is None and attention_mask is None and hidden_states.shape[0] == 1:
+            whole = torch.tensor([0, hidden_states.shape[1]], dtype=torch.int32, device=hidden_states.device)
+            return _fla_varlen_forward(module, hidden_states, whole)
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     if cache_params is not None:
         raise ValueError("packed Gated DeltaNet runs without a cache: call the model with use_cache=False.")
@@ -163,27 +255,33 @@ def _release_torch_delta_rule(modeling_name: str) -> None:
         setattr(sys.modules[modeling_name], _DELTA_RULE, original)
 
 
-def patch_gated_delta_layers(model: torch.nn.Module, pack_kwarg: str, backend: Backend = "auto") -> str | None:
+def patch_gated_delta_layers(
+    model: torch.nn.Module, pack_kwarg: str, backend: Backend = "auto", compute_dtype: torch.dtype | None = None
+) -> str | None:
     """Wrap every Gated DeltaNet layer's forward with `packed_gated_delta_forward`, reading the pack from the
     keyword `pack_kwarg`. Returns the backend used ("torch" or "fla"), or None for models without such layers.
 
-    Raises ValueError if a layer is already wrapped or the requested backend cannot train here.
+    compute_dtype: the dtype the layers compute in (the autocast dtype; default the parameters'), which fla's
+    self-check uses. Logs the backend and why once. Raises ValueError if a layer is already wrapped or the requested
+    backend cannot train here.
     """
     layers = gated_delta_layers(model)
     if not layers:
         return None
     if any(hasattr(layer, _PATCH_ATTR) for layer in layers):
         raise ValueError("this model's Gated DeltaNet layers are already patched for packed batches.")
-    chosen = resolve_backend(backend)
+    dtype = compute_dtype or next(layers[0].parameters()).dtype
+    choice = resolve_backend(backend, {GatedDeltaDims.of(layer) for layer in layers}, dtype)
+    log.info("Gated DeltaNet: %s backend (%s)", choice.backend, choice.reason)
     modeling_names = sorted({type(layer).__module__ for layer in layers})
-    if chosen == "torch":
+    if choice.backend == "torch":
         for name in modeling_names:
             _force_torch_delta_rule(name)
     for layer in layers:
         setattr(layer, _PATCH_ATTR, layer.forward)
-        layer.forward = functools.partial(packed_gated_delta_forward, layer, pack_kwarg, chosen)
-    model._packed_gated_delta = (chosen, modeling_names)
-    return chosen
+        layer.forward = functools.partial(packed_gated_delta_forward, layer, pack_kwarg, choice.backend)
+    model._packed_gated_delta = (choice.backend, modeling_names)
+    return choice.backend
 
 
 def unpatch_gated_delta_layers(model: torch.nn.Module) -> None:

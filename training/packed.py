@@ -227,11 +227,15 @@ def register_packed_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
 
 
-def enable_packed_forward(model: torch.nn.Module, gated_delta_backend: gated_delta.Backend = "auto") -> str | None:
+def enable_packed_forward(
+    model: torch.nn.Module, gated_delta_backend: gated_delta.Backend = "auto", compute_dtype: torch.dtype | None = None
+) -> str | None:
     """Make `model` take packed batches: registers the varlen attention, sets it on every config (text and vision),
     installs the position pre-hook and, for Qwen3.5 families, the boundary-exact Gated DeltaNet forward.
 
-    gated_delta_backend: "auto" (fla's varlen kernels where they can train, else the torch path), "torch" or "fla".
+    gated_delta_backend: "auto" (fla's varlen kernels where they can train, else the torch path), "torch" or "fla";
+    compute_dtype: the dtype the model computes in under autocast (default its parameters'), for fla's self-check
+    (training/gated_delta.py).
     Returns the Gated DeltaNet backend in use ("torch" / "fla"), None for models without such layers.
     Raises ValueError if already enabled or when the requested Gated DeltaNet backend cannot train here (with the
     reason and what to install), so a run fails before its first step instead of mixing samples.
@@ -240,7 +244,7 @@ def enable_packed_forward(model: torch.nn.Module, gated_delta_backend: gated_del
     if getattr(model, "_packed_forward_state", None) is not None:
         raise ValueError("packed forward is already enabled on this model.")
     register_packed_attention()
-    backend = gated_delta.patch_gated_delta_layers(model, PACK_KWARG, gated_delta_backend)
+    backend = gated_delta.patch_gated_delta_layers(model, PACK_KWARG, gated_delta_backend, compute_dtype)
     configs = _configs(model)
     previous = {id(c): c._attn_implementation for c in configs}
     for config in configs:

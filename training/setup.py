@@ -67,7 +67,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
-    enable_packed_forward(model)
+    enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
     parts.freeze(
         model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
     )
