@@ -8,8 +8,8 @@ Three measurements, one process, printed as tables and written as JSON to --out:
 2. fla's first call (Triton compile and autotuning, or their on-disk cache: run the script twice with the same
    TRITON_CACHE_DIR to see both) and its warm time.
 3. One Gated DeltaNet layer of the recipe (default: recipes/bench-qwen3_5-shape.yaml, Qwen3.5's real widths),
-   forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), medians of
-   CUDA-event timings.
+   forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), and the delta
+   rule alone (fla varlen vs transformers' torch rule per sample); medians of CUDA-event timings.
 
     python scripts/bench_gated_delta.py --out artifacts/bench_gated_delta.json [--tokens 16384]
 """
@@ -93,6 +93,14 @@ def time_layer(layer, backend: str, pack: PackedSeqlens, repeats: int) -> tuple[
         gated_delta.unpatch_gated_delta_layers(layer)
 
 
+def time_delta_rule(rule, dims: GatedDeltaDims, lengths, cu_seqlens, repeats: int) -> tuple[float, float, float]:
+    """Forward+backward of the delta rule alone on the pack, bf16 inputs (g fp32, as the layer feeds it)."""
+    generator = torch.Generator().manual_seed(0)
+    *inputs, grad_o = gated_delta_check.delta_rule_inputs(dims, lengths, torch.bfloat16, "cuda", generator)
+    leaves = [x.detach().requires_grad_(True) for x in inputs]
+    return cuda_median_ms(lambda: rule(*leaves, cu_seqlens).backward(grad_o), repeats)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="recipes/bench-qwen3_5-shape.yaml")
@@ -124,6 +132,12 @@ def main(argv: list[str] | None = None) -> int:
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     pack = PackedSeqlens(cu_seqlens, max(lengths), lengths)
     layer_ms = {backend: time_layer(layer, backend, pack, args.repeats) for backend in ("fla", "torch")}
+    rule_ms = {
+        "fla": time_delta_rule(gated_delta.fla_delta_rule, dims, lengths, cu_seqlens, args.repeats),
+        "torch per sample": time_delta_rule(
+            gated_delta_check.torch_delta_rule_per_sample, dims, lengths, cu_seqlens, max(3, args.repeats // 3)
+        ),
+    }
 
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -138,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_passed": accuracy.passed,
         "layer_fwd_bwd_ms": {b: dict(zip(("median", "min", "max"), t, strict=True)) for b, t in layer_ms.items()},
         "speedup_fla_over_torch": layer_ms["torch"][0] / layer_ms["fla"][0],
+        "delta_rule_fwd_bwd_ms": {b: dict(zip(("median", "min", "max"), t, strict=True)) for b, t in rule_ms.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
@@ -152,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     for backend, (median, low, high) in layer_ms.items():
         print(f"GDN layer fwd+bwd, {backend:5}: {median:8.2f} ms (min {low:.2f}, max {high:.2f})")
     print(f"fla / torch speedup: {result['speedup_fla_over_torch']:.1f}x")
+    for rule, (median, low, high) in rule_ms.items():
+        print(f"delta rule alone fwd+bwd, {rule:16}: {median:8.2f} ms (min {low:.2f}, max {high:.2f})")
     return 0 if accuracy.passed else 1
 
 

@@ -98,7 +98,7 @@ def torch_delta_rule_per_sample(q, k, v, g, beta, cu_seqlens) -> torch.Tensor:
     return torch.cat(outputs, dim=1)
 
 
-def _inputs(dims: GatedDeltaDims, lengths, dtype, device, generator) -> tuple[torch.Tensor, ...]:
+def delta_rule_inputs(dims: GatedDeltaDims, lengths, dtype, device, generator) -> tuple[torch.Tensor, ...]:
     """Random inputs shaped as a Gated DeltaNet layer feeds its delta rule: q, k, v and β in `dtype`, g (log decay,
     ≤ 0) in fp32 as the layer computes it, and an upstream gradient for o."""
     tokens = sum(lengths)
@@ -150,7 +150,7 @@ def check_delta_rule(
     fp32), at least ERROR_FLOOR. Host syncs are fine here: this runs once, before training.
     """
     generator = torch.Generator().manual_seed(seed)
-    *inputs, grad_o = _inputs(dims, lengths, dtype, device, generator)
+    *inputs, grad_o = delta_rule_inputs(dims, lengths, dtype, device, generator)
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
     reference = _run(torch_delta_rule_per_sample, inputs, grad_o, cu_seqlens, torch.float32)
     own = _run(torch_delta_rule_per_sample, inputs, grad_o, cu_seqlens, None)
