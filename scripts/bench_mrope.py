@@ -11,9 +11,12 @@ Rows per case:
 - ours_as_trained: what a patched model's attention calls (the patch's dispatcher in place of transformers'
   apply function, then `apply_mrope` / `apply_vision_rope` and the autograd.Function), fwd+bwd through autograd;
 - ours_kernels_only: the same forward and backward kernels launched back to back without autograd;
-- hf_eager, torch_compile (of HF's apply, fullgraph), liger, copy_floor; every row also as × the floor.
+- hf_eager, torch_compile (of HF's apply, fullgraph), liger, copy_floor; every row also as × the floor;
+- mechanism_autograd_function / mechanism_triton_op: the same launches through the product's autograd.Function or
+  through a torch.library.triton_op with registered autograd, bare (no validation, no dispatcher): which is lighter.
 Host µs per call at T = 1 (GPU work of a few µs, so what is measured is the host's Python, dispatch and launch):
-wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours and Liger.
+wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours, the two mechanisms and
+Liger.
 
     python scripts/bench_mrope.py --out artifacts/bench/bench_mrope.json [--tokens 16384] [--sweep]
 """
@@ -36,7 +39,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mrope_kernels import patch, triton_rope
-from mrope_kernels.ops import _rotated
+from mrope_kernels.ops import _RopeFunction, _rotated
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,63 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     liger = _liger(vision)
     if liger is not None:
         impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), inputs, grads)
+    # The two autograd mechanisms issue 16 weighed, bare (no validation, no patch dispatcher), on the kernel's views:
+    # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
+    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
+    for name, rope in (("mechanism_autograd_function", _RopeFunction.apply), ("mechanism_triton_op", _triton_op())):
+        impls[name] = (
+            lambda q_, k_, rope=rope: tuple(
+                to_kernel(t)
+                for t in rope(to_kernel(q_), to_kernel(k_), x["positions"], x["inv_freq"], layout, sections, 1.0)
+            ),
+            inputs,
+            grads,
+        )
     return impls
+
+
+@functools.cache  # one registration per process
+def _triton_op():
+    """`bench_mrope::rope` as a `torch.library.triton_op` (kernel via `wrap_triton`) with its backward registered,
+    called like `_RopeFunction.apply`: the alternative to the product's autograd.Function, for the host-cost
+    comparison only."""
+    from torch.library import register_autograd, triton_op, wrap_triton
+
+    @triton_op("bench_mrope::rope", mutates_args=())
+    def rope(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        layout: int,
+        sections: list[int],
+        scaling: float,
+        conjugate: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        grid, scalars, constexprs = triton_rope._launch_plan(
+            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
+            q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
+        )  # fmt: skip
+        wrap_triton(triton_rope._rope_kernel)[grid](
+            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs
+        )
+        return q_out, k_out
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2], inputs[3])
+        ctx.static_args = inputs[4:7]
+
+    def backward(ctx, grad_q, grad_k):
+        positions, inv_freq = ctx.saved_tensors
+        grads = rope(grad_q.contiguous(), grad_k.contiguous(), positions, inv_freq, *ctx.static_args, True)
+        return *grads, None, None, None, None, None, None
+
+    register_autograd("bench_mrope::rope", backward, setup_context=setup_context)
+    return lambda q, k, positions, inv_freq, layout, sections, scaling: rope(
+        q, k, positions, inv_freq, layout, list(sections), scaling, False
+    )
 
 
 def _kernels_only(case: Case, x: dict):
@@ -298,16 +357,16 @@ def check_targets(rows: list[dict]) -> list[dict]:
 
 
 def print_tables(rows: list[dict], host_rows: list[dict], checks: list[dict]) -> None:
-    print(f"{'case':42s} {'impl':20s} {'fwd µs':>8s} {'×floor':>7s} {'fwd+bwd µs':>11s} {'×floor':>7s}")
+    print(f"{'case':42s} {'impl':28s} {'fwd µs':>8s} {'×floor':>7s} {'fwd+bwd µs':>11s} {'×floor':>7s}")
     for r in rows:
         if "fwdbwd_us" in r:
             print(
-                f"{r['case']:42s} {r['impl']:20s} {r['fwd_us']:8.1f} {r['fwd_x_floor']:7.2f} "
+                f"{r['case']:42s} {r['impl']:28s} {r['fwd_us']:8.1f} {r['fwd_x_floor']:7.2f} "
                 f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_x_floor']:7.2f}"
             )
-    print(f"\nhost µs per call at T = 1\n{'case':42s} {'impl':20s} {'fwd':>8s} {'fwd+bwd':>8s}")
+    print(f"\nhost µs per call at T = 1\n{'case':42s} {'impl':28s} {'fwd':>8s} {'fwd+bwd':>8s}")
     for r in host_rows:
-        print(f"{r['case']:42s} {r['impl']:20s} {r['host_fwd_us']:8.1f} {r['host_fwdbwd_us']:8.1f}")
+        print(f"{r['case']:42s} {r['impl']:28s} {r['host_fwd_us']:8.1f} {r['host_fwdbwd_us']:8.1f}")
     print("\ntargets (issue 16):")
     for c in checks:
         misses = [goal for goal, met in c.items() if goal != "case" and not met]
@@ -316,7 +375,7 @@ def print_tables(rows: list[dict], host_rows: list[dict], checks: list[dict]) ->
     if sweep:
         print("\nlaunch-config sweep (kernel fwd µs):")
         for r in sweep:
-            print(f"  {r['case']:42s} {r['impl']:20s} {r['fwd_us']:8.1f}")
+            print(f"  {r['case']:42s} {r['impl']:28s} {r['fwd_us']:8.1f}")
 
 
 def plot(rows: list[dict], path: str) -> None:
