@@ -297,7 +297,7 @@ def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     row_tiles = [False, True] if case.rotary_dim == case.head_dim else [False]
     configs = [(None, None, None)] + [
-        (bt, w, rt) for rt in row_tiles for bt, w in [(1, 2), (1, 4), (2, 4), (4, 4), (1, 8), (2, 8), (4, 8)]
+        (bt, w, rt) for rt in row_tiles for bt, w in [(1, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
     ]
     for block_t, warps, row_tile in configs:
         t = bench_ms(

@@ -12,7 +12,8 @@ variant's own keys differ); throughput and MFU are train.py's own means over the
 with the spread (min-max) beside it; a ratio is the ratio of medians, with the range min(A)/max(B) .. max(A)/min(B)
 that the repeats allow. Each run logs to wandb in one group with its variant as a tag (offline automatically without
 a login). Writes into --out: one run directory per run (`<variant>/run<i>`), `comparison.json`, `comparison.png`
-(tokens/s and loss per step, first repeat) and `comparison.md` (the table), and prints the table.
+(tokens/s and loss per step, first repeat) and `comparison.md` (the table), and prints the table. The JSON and the
+table are rewritten after every full round of variants, so a session cut short keeps the rounds it finished.
 
 Is the host the bottleneck? train.py logs per step `host_issue_s`, the host time to fetch and issue the step
 (no sync), beside `step_time_s`, the wall time between the per-step syncs. After the host has issued its last
@@ -454,28 +455,30 @@ def main(argv: list[str] | None = None) -> dict:
     )
 
     order = [(v, repeat) for repeat in range(1, args.repeats + 1) for v in variants]  # A B A B ...
-    results = [run_variant(v, repeat, args, model_type, out_dir, group, steps, warmup) for v, repeat in order]
-    comparison = compare(results, baseline, warmup)
-    report = {
-        "recipe": args.config,
-        "overrides": args.overrides,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "repeats": args.repeats,
-        "run_order": [list(item) for item in order],
-        "wandb_group": group,
-        "left_out": left_out,
-        "environment": env_info,
-        **comparison,
-        "curves": {r.variant: r.records for r in results if r.repeat == 1},
-    }
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     title = f"{recipe} — {env_info['device']}, {env_info['date_utc']} UTC, commit {env_info['commit']}"
+    results: list[RunResult] = []
+    for variant, repeat in order:
+        results.append(run_variant(variant, repeat, args, model_type, out_dir, group, steps, warmup))
+        # After each full round, so a session cut short (a time limit) still leaves the rounds it finished.
+        if len(results) % len(variants) == 0:
+            report = {
+                "recipe": args.config,
+                "overrides": args.overrides,
+                "steps": steps,
+                "warmup_steps": warmup,
+                "repeats": len(results) // len(variants),
+                "run_order": [list(item) for item in order[: len(results)]],
+                "wandb_group": group,
+                "left_out": left_out,
+                "environment": env_info,
+                **compare(results, baseline, warmup),
+                "curves": {r.variant: r.records for r in results if r.repeat == 1},
+            }
+            text, ratios = table(report), ratio_lines(report["ratios"])
+            (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out_dir / "comparison.md").write_text(f"{title}\n\n{text}\n\n{ratios}\n")
     plot(results, warmup, title, out_dir / "comparison.png")
-    text = table(comparison)
-    ratios = ratio_lines(comparison["ratios"])
-    (out_dir / "comparison.md").write_text(f"{title}\n\n{text}\n\n{ratios}\n")
     print(f"\n{title}\n\n{text}\n\n{ratios}\n")
     print(f"[compare] wrote {out_dir}/comparison.{{json,png,md}}")
     return report

@@ -4,18 +4,19 @@
 #
 #   bash scripts/gpu_rope_suite.sh OUT [STAGE ...]      STAGE: tests bench compare-3b compare-8b compare-qwen3_5
 #                                                       (default: all five, in that order)
-#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 bash scripts/gpu_rope_suite.sh ...   (the defaults)
+#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=580 bash scripts/gpu_rope_suite.sh ...   (the defaults)
 #
 # Each comparison runs every variant REPEATS times, alternating (A B A B ...), STEPS optimizer steps per run with the
 # first WARMUP untimed, on SAMPLES built-in samples (600: about 12 of the 16k-token packs, so a run stays in its first
 # epoch). Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
+# A comparison cut short by its limit keeps comparison.json of the rounds (one run of every variant) it finished.
 # Carried wheels in .whl/ (transformers 5.23, Liger-Kernel, ...) are installed into a private site dir first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-artifacts/gpu-rope}
 shift || true
 STAGES=${*:-tests bench compare-3b compare-8b compare-qwen3_5}
-REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600}
+REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600} COMPARE_LIMIT=${COMPARE_LIMIT:-580}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -36,7 +37,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one stage, log it, record its st
 }
 
 compare() {  # compare NAME RECIPE VARIANTS
-  step "compare_$1" 560 $PY scripts/compare_throughput.py --config "recipes/$2.yaml" --variants "$3" \
+  step "compare_$1" "$COMPARE_LIMIT" $PY scripts/compare_throughput.py --config "recipes/$2.yaml" --variants "$3" \
     --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$1" \
     data.num_samples="$SAMPLES" data.num_workers=8
 }
