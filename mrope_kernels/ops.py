@@ -209,10 +209,11 @@ def _check_pair(q, k, positions, inv_freq) -> None:
             f"inv_freq must be a 1-D float32 tensor, got {inv_dtype} {tuple(inv_shape)}: pass the rotary "
             "module's inv_freq buffer (fp32), not a cast copy"
         )
-    if positions[2] not in _POSITION_DTYPES:
-        raise ValueError(f"positions must be an integer tensor (torch.long or torch.int32), got {positions[2]}")
-    if not (q_device == k_device == positions[3] == inv_device):
-        devices = [str(d) for d in (q_device, k_device, positions[3], inv_device)]
+    _, _, positions_dtype, positions_device = positions
+    if positions_dtype not in _POSITION_DTYPES:
+        raise ValueError(f"positions must be an integer tensor (torch.long or torch.int32), got {positions_dtype}")
+    if not (q_device == k_device == positions_device == inv_device):
+        devices = [str(d) for d in (q_device, k_device, positions_device, inv_device)]
         raise ValueError(f"q, k, positions and inv_freq must be on one device, got {devices} (in that order)")
     if q_strides[-1] != 1 or k_strides[-1] != 1:
         raise ValueError(
