@@ -488,6 +488,9 @@ def test_gpu_large_positions_fp32_accuracy():
 
 
 @pytest.mark.gpu
-def test_gpu_vision_large_matches_transformers():
-    """ViT 16x72 at T = 16384 in bf16 on the GPU matches transformers' vision rope (fp32) fwd and bwd."""
-    test_vision_rope_matches_transformers_fwd_bwd("qwen3_vl", 16384, 16, 72, torch.bfloat16)
+@pytest.mark.parametrize("qkv_view", [False, True], ids=["contiguous", "qkv-view"])
+@pytest.mark.parametrize(("family", "head_dim"), [("qwen3_vl", 72), ("qwen2_5_vl", 80)], ids=["16x72", "16x80"])
+def test_gpu_vision_large_matches_transformers(family, head_dim, qkv_view):
+    """ViT 16x72 (row tile) and 16x80 (half tiles) at T = 16384 in bf16 on the GPU, contiguous and as views of the
+    qkv projection, match transformers' vision rope (fp32) fwd and bwd."""
+    test_vision_rope_matches_transformers_fwd_bwd(family, 16384, 16, head_dim, torch.bfloat16, qkv_view, 2000)
