@@ -4,7 +4,8 @@
 #
 #   bash scripts/gpu_rope_suite.sh OUT [STAGE ...]      STAGE: tests bench compare-3b compare-8b compare-qwen3_5
 #                                                       (default: all five, in that order)
-#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=580 bash scripts/gpu_rope_suite.sh ...   (the defaults)
+#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
+#   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
 #
 # Each comparison runs every variant REPEATS times, alternating (A B A B ...), STEPS optimizer steps per run with the
 # first WARMUP untimed, on SAMPLES built-in samples (600: about 12 of the 16k-token packs, so a run stays in its first
@@ -16,7 +17,8 @@ cd "$(dirname "$0")/.."
 OUT=${1:-artifacts/gpu-rope}
 shift || true
 STAGES=${*:-tests bench compare-3b compare-8b compare-qwen3_5}
-REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600} COMPARE_LIMIT=${COMPARE_LIMIT:-580}
+REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600} COMPARE_LIMIT=${COMPARE_LIMIT:-540}
+REPORT_TO=${REPORT_TO:-wandb}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
@@ -39,7 +41,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one stage, log it, record its st
 compare() {  # compare NAME RECIPE VARIANTS
   step "compare_$1" "$COMPARE_LIMIT" $PY scripts/compare_throughput.py --config "recipes/$2.yaml" --variants "$3" \
     --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$1" \
-    data.num_samples="$SAMPLES" data.num_workers=8
+    data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO"
 }
 
 for stage in $STAGES; do
