@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-gpu gpu-suite lint format bench smoke-test compare profile inspect-data verify-packing clean
+.PHONY: help install test test-gpu gpu-suite gpu-rope lint format bench smoke-test compare profile inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,6 +28,9 @@ test-gpu:  ## run only the GPU-marked tests (on a CUDA machine, with the system 
 gpu-suite:  ## every GPU check and benchmark in one go (logs and JSON in artifacts/gpu-suite)
 	bash scripts/gpu_suite.sh artifacts/gpu-suite
 
+gpu-rope:  ## rope kernels on one GPU: GPU tests, kernel benchmark, 3B/8B/Qwen3.5 comparisons with repeats (artifacts/gpu-rope)
+	bash scripts/gpu_rope_suite.sh artifacts/gpu-rope
+
 lint: install  ## ruff, line length 120
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
@@ -37,7 +40,7 @@ format: install  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff format .
 
 bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
-	$(PY) scripts/bench_mrope.py --out artifacts/bench
+	$(PY) scripts/bench_mrope.py --out artifacts/bench/bench_mrope.json
 
 smoke-test:  ## set up if needed, then train the tiny model on the built-in data (one GPU with fused rope, else a smaller CPU run) and print a summary
 	$(PY) scripts/smoke_test.py $(ARGS)

@@ -54,24 +54,17 @@ def apply_mrope_reference(
     mrope_section,
     interleaved: bool = False,
     attention_scaling: float = 1.0,
-    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text mRoPE. q (T, Hq, D) or (B, S, Hq, D); k the same leading dims with Hk heads; positions int (3, T) or
     (3, B, S); inv_freq fp32 (R/2,) with R <= D; lanes [R, D) pass through. Returns (q_out, k_out) in q/k dtype."""
     angles = mrope_angles(positions, inv_freq, mrope_section, interleaved)
     emb = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (*lead, 1, R)
     cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
-    q_out, k_out = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    if inplace:
-        rot = cos.shape[-1]
-        q[..., :rot].copy_(q_out[..., :rot])
-        k[..., :rot].copy_(k_out[..., :rot])
-        return q, k
-    return q_out, k_out
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def apply_vision_rope_reference(
-    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inplace: bool = False
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Vision 2-D rope. q, k (T, H, D); positions int (T, 2) [row, col]; inv_freq fp32 (D/4,).
 
@@ -81,9 +74,4 @@ def apply_vision_rope_reference(
     angles = (positions.float()[..., None] * inv_freq.float()).flatten(-2)  # (T, D/2)
     emb = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (T, 1, D)
     cos, sin = emb.cos(), emb.sin()
-    q_out, k_out = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    if inplace:
-        q.copy_(q_out)
-        k.copy_(k_out)
-        return q, k
-    return q_out, k_out
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

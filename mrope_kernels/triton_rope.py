@@ -2,14 +2,17 @@
 2-D vision rope, q and k in one launch, forward and backward (the backward is the forward with the angle negated).
 
 One program owns a block of tokens and every head of q and k: it reads the tokens' integer positions, computes
-cos/sin in fp32 once per (token, frequency lane) and reuses them for all heads. No cos/sin table exists anywhere.
-Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) pass through.
+cos/sin in fp32 once per (token, lane of its tile) and reuses them for all heads. No cos/sin table exists anywhere.
+Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) are copied. The launcher derives grid,
+strides and constexprs once per input signature (`_launch_plan`), so a repeated call costs a cache hit and the
+Triton launch.
 
 This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -81,6 +84,45 @@ def _rotate_heads(
 
 
 @triton.jit
+def _rotate_rows(
+    X,
+    OUT,
+    x_token_offset,  # (BLOCK_T,) int64 offset of each token's first element in X
+    out_token_offset,  # (BLOCK_T,) int64, same for OUT
+    token_mask,  # (BLOCK_T,)
+    n_heads,
+    stride_x_head,
+    stride_out_head,
+    cos,  # (BLOCK_T, BLOCK_LANES) fp32 per lane of the whole head
+    sin,  # (BLOCK_T, BLOCK_LANES) fp32, already negated on the first half (and again for CONJUGATE)
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_LANES: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Rotate whole heads (R == D) as one row each: out[l] = x[l] cos[l] + x[l ± R/2] sin[l].
+
+    Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
+    half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
+    whole 16-byte vectors; only the partner load (same cache lines, served from L1) is narrower.
+    """
+    lanes = tl.arange(0, BLOCK_LANES)
+    heads = tl.arange(0, BLOCK_H)
+    partner = tl.where(lanes < HALF, HALF, -HALF)
+    lane_mask = lanes < HEAD_DIM
+    cos3 = cos[:, None, :]
+    sin3 = sin[:, None, :]
+    for head_start in range(0, n_heads, BLOCK_H):
+        head = head_start + heads
+        mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & lane_mask[None, None, :]
+        x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
+        o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
+        x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+        x_partner = tl.load(X + x_off + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + o_off, (x * cos3 + x_partner * sin3).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _rope_kernel(
     Q,
     K,
@@ -116,14 +158,15 @@ def _rope_kernel(
     SECTION_2: tl.constexpr,
     ROTARY_DIM: tl.constexpr,  # constexpr so the x2 = x + R/2 offset is a known multiple and loads vectorize
     HEAD_DIM: tl.constexpr,
-    BLOCK_HALF: tl.constexpr,  # R/2 padded to a power of two (tl.arange needs one)
+    ROW_TILE: tl.constexpr,  # rotate whole rows (_rotate_rows) instead of two halves (_rotate_heads)
+    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows), padded to a power of two for tl.arange
     BLOCK_PASS: tl.constexpr,  # D - R padded to a power of two (pass-through lanes)
     BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     ALIGN: tl.constexpr,  # largest power of two (<= 16) dividing every token/head stride, in elements
     CONJUGATE: tl.constexpr,  # rotate by -angle: the backward pass (the rotation is orthogonal)
-    COPY_PASS: tl.constexpr,  # out-of-place with R < D: copy pass-through lanes in the same pass
+    COPY_PASS: tl.constexpr,  # R < D: copy the pass-through lanes in the same pass
     USE_LIBDEVICE: tl.constexpr,  # precise sin/cos (full range reduction, positions up to 1e5+); False in interpreter
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
@@ -133,20 +176,26 @@ def _rope_kernel(
     batch = (tokens // seq_len).to(tl.int64)
     seq = (tokens % seq_len).to(tl.int64)
 
-    # Lane → (axis, frequency index); all constexpr-driven, evaluated once per program.
-    lanes = tl.arange(0, BLOCK_HALF)
-    if LAYOUT == 0:
-        axis = (lanes >= SECTION_0).to(tl.int32) + (lanes >= SECTION_0 + SECTION_1).to(tl.int32)
-        freq_index = lanes
-    elif LAYOUT == 1:
-        is_height = ((lanes % 3) == 1) & (lanes < 3 * SECTION_1)
-        is_width = ((lanes % 3) == 2) & (lanes < 3 * SECTION_2)
-        axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
-        freq_index = lanes
+    # Lane → (axis, frequency index); all constexpr-driven, evaluated once per program. A row tile spans both
+    # halves: lane l and l + R/2 share frequency lane l.
+    lanes = tl.arange(0, BLOCK_LANES)
+    if ROW_TILE:
+        freq_lane = tl.where(lanes < HALF, lanes, lanes - HALF)
+        lane_mask = lanes < ROTARY_DIM
     else:
-        axis = (lanes >= HALF // 2).to(tl.int32)
-        freq_index = lanes - axis * (HALF // 2)
-    lane_mask = lanes < HALF
+        freq_lane = lanes
+        lane_mask = lanes < HALF
+    if LAYOUT == 0:
+        axis = (freq_lane >= SECTION_0).to(tl.int32) + (freq_lane >= SECTION_0 + SECTION_1).to(tl.int32)
+        freq_index = freq_lane
+    elif LAYOUT == 1:
+        is_height = ((freq_lane % 3) == 1) & (freq_lane < 3 * SECTION_1)
+        is_width = ((freq_lane % 3) == 2) & (freq_lane < 3 * SECTION_2)
+        axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
+        freq_index = freq_lane
+    else:
+        axis = (freq_lane >= HALF // 2).to(tl.int32)
+        freq_index = freq_lane - axis * (HALF // 2)
     inv_freq = tl.load(INV_FREQ + freq_index, mask=lane_mask, other=0.0)
 
     pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
@@ -168,19 +217,31 @@ def _rope_kernel(
         sin = tl.sin(angle) * scaling
     if CONJUGATE:
         sin = -sin
+    if ROW_TILE:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
+        sin = tl.where(lanes[None, :] < HALF, -sin, sin)
 
     q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
     qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
-    _rotate_heads(
-        Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
-        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HQ, COPY_PASS,
-    )  # fmt: skip
     k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
     ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
-    _rotate_heads(
-        K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
-        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HK, COPY_PASS,
-    )  # fmt: skip
+    if ROW_TILE:
+        _rotate_rows(
+            Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
+            cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ,
+        )  # fmt: skip
+        _rotate_rows(
+            K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
+            cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HK,
+        )  # fmt: skip
+    else:
+        _rotate_heads(
+            Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
+            cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_PASS, BLOCK_HQ, COPY_PASS,
+        )  # fmt: skip
+        _rotate_heads(
+            K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
+            cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_PASS, BLOCK_HK, COPY_PASS,
+        )  # fmt: skip
 
 
 def _largest_pow2_dividing(values: list[int], cap: int) -> int:
@@ -190,31 +251,86 @@ def _largest_pow2_dividing(values: list[int], cap: int) -> int:
     return align
 
 
+def uses_row_tile(rotary_dim: int, head_dim: int, element_size: int) -> bool:
+    """Whether whole rows are rotated as one tile: only when the rotary half (R/2 elements) is not a whole number of
+    16-byte vectors, so the second half would start mid-vector (ViT D=72 in bf16). Elsewhere two half tiles are at
+    the copy floor (text D=128, ViT D=80) and handle partial rotary."""
+    return rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0
+
+
 def default_launch_config(
-    n_heads_q: int, n_heads_k: int, rotary_dim: int, pass_lanes: int
+    n_heads_q: int, n_heads_k: int, block_lanes: int, pass_lanes: int
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per half-rotation tile; 4 warps when the
-    pass-through copy (`pass_lanes` padded, 0 in place) makes the tile larger (Qwen3.5: 192 of 256 lanes)."""
-    block_half = triton.next_power_of_2(rotary_dim // 2)
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per rotation tile (`block_lanes` wide); 4 warps
+    when a wider tile (a row tile, or the pass-through copy `pass_lanes` of Qwen3.5: 192 of 256 lanes) needs them."""
     block_hq = min(triton.next_power_of_2(n_heads_q), _MAX_HEADS_PER_TILE)
     block_hk = min(triton.next_power_of_2(n_heads_k), _MAX_HEADS_PER_TILE)
-    block_t = max(1, _TILE_ELEMENTS // (block_hq * block_half))
-    widest_tile = block_t * block_hq * max(block_half, pass_lanes)
+    block_t = max(1, _TILE_ELEMENTS // (block_hq * block_lanes))
+    widest_tile = block_t * block_hq * max(block_lanes, pass_lanes)
     return block_t, block_hq, block_hk, 2 if widest_tile <= _TILE_ELEMENTS else 4
 
 
-def _batch_seq_head_strides(x: torch.Tensor) -> tuple[int, int, int]:
+def _batch_seq_head_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
     """(batch, seq, head) strides of a (T, H, D) or (B, S, H, D) tensor; packed T is a batch of one."""
-    strides = x.stride()
-    return (0, *strides[:2]) if len(strides) == 3 else strides[:3]
+    return (0, *strides[:2]) if len(shape) == 3 else tuple(strides[:3])
 
 
-def _position_strides(positions: torch.Tensor, layout: int) -> tuple[int, int, int]:
+def _position_strides(strides: tuple[int, ...], layout: int) -> tuple[int, int, int]:
     """(axis, batch, seq) strides of text (3, T) / (3, B, S) or vision (T, 2) positions."""
-    strides = positions.stride()
     if layout == LAYOUT_VISION:
         return strides[1], 0, strides[0]
-    return (strides[0], 0, strides[1]) if len(strides) == 2 else strides
+    return (strides[0], 0, strides[1]) if len(strides) == 2 else tuple(strides)
+
+
+@functools.lru_cache(maxsize=1024)
+def _launch_plan(
+    q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, element_size,
+    half_or_quarter, layout, sections, conjugate, block_t, num_warps, row_tile,
+):  # fmt: skip
+    """(grid, runtime scalars, constexpr kwargs) for one input signature: derived once, then a dict hit per call.
+
+    Every argument is a shape, stride, size or flag, so the plan is exact for any tensors that share them."""
+    *lead, n_heads_q, head_dim = q_shape
+    n_heads_k = k_shape[-2]
+    seq_len = lead[-1]
+    n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
+    rotary_dim = 4 * half_or_quarter if layout == LAYOUT_VISION else 2 * half_or_quarter
+    copy_pass = rotary_dim < head_dim
+    if row_tile is None:
+        row_tile = uses_row_tile(rotary_dim, head_dim, element_size)
+    block_lanes = triton.next_power_of_2(rotary_dim if row_tile else rotary_dim // 2)
+    block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
+    default_block_t, block_hq, block_hk, default_warps = default_launch_config(
+        n_heads_q, n_heads_k, block_lanes, block_pass if copy_pass else 0
+    )
+    tensor_strides = [
+        s
+        for shape, strides in (
+            (q_shape, q_strides),
+            (k_shape, k_strides),
+            (q_shape, q_out_strides),
+            (k_shape, k_out_strides),
+        )
+        for s in _batch_seq_head_strides(shape, strides)
+    ]
+    align = _largest_pow2_dividing(tensor_strides, _MAX_ALIGN)
+    block_t = block_t or default_block_t
+    grid = (triton.cdiv(n_tokens, block_t),)
+    scalars = (
+        n_tokens, seq_len, n_heads_q, n_heads_k,
+        *[s // align for s in tensor_strides],
+        *_position_strides(position_strides, layout),
+    )  # fmt: skip
+    constexprs = dict(
+        LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
+        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, ROW_TILE=row_tile,
+        BLOCK_LANES=block_lanes, BLOCK_PASS=block_pass,
+        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
+        CONJUGATE=conjugate, COPY_PASS=copy_pass,
+        USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
+        num_warps=num_warps or default_warps,
+    )  # fmt: skip
+    return grid, scalars, constexprs
 
 
 def rope_launch(
@@ -225,48 +341,24 @@ def rope_launch(
     positions: torch.Tensor,
     inv_freq: torch.Tensor,
     layout: int,
-    sections: tuple[int, int, int] | list[int],
+    sections: tuple[int, int, int],
     scaling: float,
     conjugate: bool,
     block_t: int | None = None,
     num_warps: int | None = None,
+    row_tile: bool | None = None,
 ) -> None:
-    """Rotate q, k into q_out, k_out (which may be q, k themselves: then only lanes [0, R) are touched).
+    """Rotate q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
 
     q, q_out: (T, Hq, D) or (B, S, Hq, D); k, k_out: same leading dims, Hk heads; any strides with
     stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
-    inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D.
-    sections: the three mRoPE sections (ignored for vision). No validation here: `mrope_kernels.ops` does it.
-    block_t / num_warps override the heuristic (benchmark sweeps only).
+    inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D. sections: the three mRoPE sections as a
+    tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
+    block_t / num_warps / row_tile override the heuristics (benchmark sweeps only).
     """
-    *lead, n_heads_q, head_dim = q.shape
-    n_heads_k = k.shape[-2]
-    seq_len = lead[-1]
-    n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
-    if n_tokens == 0:
-        return
-    rotary_dim = 2 * inv_freq.numel() if layout != LAYOUT_VISION else 4 * inv_freq.numel()
-    in_place = q_out.data_ptr() == q.data_ptr()
-    copy_pass = (not in_place) and rotary_dim < head_dim
-    block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
-    default_block_t, block_hq, block_hk, default_warps = default_launch_config(
-        n_heads_q, n_heads_k, rotary_dim, block_pass if copy_pass else 0
-    )
-    tensor_strides = [s for t in (q, k, q_out, k_out) for s in _batch_seq_head_strides(t)]
-    align = _largest_pow2_dividing(tensor_strides, _MAX_ALIGN)
-    block_t = block_t or default_block_t
-    _rope_kernel[(triton.cdiv(n_tokens, block_t),)](
-        q, k, q_out, k_out, positions, inv_freq,
-        n_tokens, seq_len, n_heads_q, n_heads_k,
-        *[s // align for s in tensor_strides],
-        *_position_strides(positions, layout),
-        float(scaling),
-        LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
-        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim,
-        BLOCK_HALF=triton.next_power_of_2(rotary_dim // 2),
-        BLOCK_PASS=block_pass,
-        BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
-        CONJUGATE=conjugate, COPY_PASS=copy_pass,
-        USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
-        num_warps=num_warps or default_warps,
+    grid, scalars, constexprs = _launch_plan(
+        q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
+        q.element_size(), inv_freq.shape[0], layout, sections, conjugate, block_t, num_warps, row_tile,
     )  # fmt: skip
+    if grid[0]:
+        _rope_kernel[grid](q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs)

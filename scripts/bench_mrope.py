@@ -6,20 +6,30 @@ Method as the anchors: HF and Liger receive cos/sin precomputed (their build cos
 sin/cos); inputs are HF's layout, q = randn(1, T, H, D).transpose(1, 2); the copy floor clones q and k once
 (fwd) and twice (fwd+bwd). One deviation, applied to every implementation alike: fwd+bwd returns gradients with
 `torch.autograd.grad` instead of accumulating into `.grad`, so no accumulation kernel is timed.
-Plus the in-place Qwen3.5 row: forward in place on q, k (only the 64 rotary lanes move) against the floor of copying
-those lanes, and fwd+bwd with the backward autograd runs (the gradients rotated into new tensors, never in place:
-they may be shared) against that lane copy plus one full-width copy of the gradients.
 
-    python scripts/bench_mrope.py --out artifacts/bench [--tokens 16384] [--sweep]
+Rows per case:
+- ours_as_trained: what a patched model's attention calls (the patch's dispatcher in place of transformers'
+  apply function, then `apply_mrope` / `apply_vision_rope` and the autograd.Function), fwd+bwd through autograd;
+- ours_kernels_only: the same forward and backward kernels launched back to back without autograd;
+- hf_eager, torch_compile (of HF's apply, fullgraph), liger, copy_floor; every row also as × the floor;
+- mechanism_autograd_function / mechanism_triton_op: the same launches through the product's autograd.Function or
+  through a torch.library.triton_op with registered autograd, bare (no validation, no dispatcher): which is lighter.
+Host µs per call at T = 1 (GPU work of a few µs, so what is measured is the host's Python, dispatch and launch):
+wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours, the two mechanisms and
+Liger.
+
+    python scripts/bench_mrope.py --out artifacts/bench/bench_mrope.json [--tokens 16384] [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
@@ -28,8 +38,8 @@ import triton
 from triton.testing import do_bench
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from mrope_kernels import apply_mrope, apply_vision_rope, triton_rope
-from mrope_kernels.ops import _rotated
+from mrope_kernels import patch, triton_rope
+from mrope_kernels.ops import _RopeFunction, _rotated
 
 
 @dataclass(frozen=True)
@@ -86,21 +96,15 @@ def fwd_and_fwdbwd(fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> tupl
     return t_fwd, bench_ms(fwd_bwd)
 
 
-def run_case(case: Case, n_tokens: int, rows: list[dict], sweep: bool) -> None:
-    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen25
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
-
+def make_inputs(case: Case, n_tokens: int) -> dict:
+    """HF-layout inputs of one case (q = randn(1, T, H, D).transpose(1, 2) for text), HF's cos/sin, gradients."""
     dev, dtype = "cuda", torch.bfloat16
-    vision = case.sections is None
-    if vision:
+    if case.sections is None:
         q = torch.randn(n_tokens, case.heads_q, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
         k = torch.randn(n_tokens, case.heads_k, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
         positions = torch.randint(0, 64, (n_tokens, 2), device=dev)
         half = case.head_dim // 2
         inv_freq = 1.0 / (10000 ** (torch.arange(0, half, 2, device=dev, dtype=torch.float) / half))
-        ours_q, ours_k = q, k
-        hf_apply = hf_qwen25.apply_rotary_pos_emb_vision
-        ours = lambda q_, k_: apply_vision_rope(q_, k_, positions, inv_freq)
     else:
         q = torch.randn(1, n_tokens, case.heads_q, case.head_dim, device=dev, dtype=dtype).transpose(1, 2)
         k = torch.randn(1, n_tokens, case.heads_k, case.head_dim, device=dev, dtype=dtype).transpose(1, 2)
@@ -109,44 +113,172 @@ def run_case(case: Case, n_tokens: int, rows: list[dict], sweep: bool) -> None:
         positions = torch.randint(0, 4096, (3, 1, n_tokens), device=dev)
         rot = case.rotary_dim
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, device=dev, dtype=torch.float) / rot))
-        hf_apply = hf_qwen35.apply_rotary_pos_emb if rot < case.head_dim else hf_qwen25.apply_rotary_pos_emb
-        # Ours takes the packed (T, H, D) layout: the same storage as HF's (1, H, T, D) view, no copy.
-        ours_q, ours_k = q.transpose(1, 2)[0], k.transpose(1, 2)[0]
-        packed_positions = positions[:, 0]
-
-        def ours(q_, k_):
-            return apply_mrope(q_, k_, packed_positions, inv_freq, case.sections, case.interleaved)
-
     cos, sin = hf_cos_sin(case, positions, inv_freq, dtype)
     grads = (torch.randn_like(q), torch.randn_like(k))
-    moved_bytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write q, k once
+    return dict(q=q, k=k, positions=positions, inv_freq=inv_freq, cos=cos, sin=sin, grads=grads)
 
+
+def implementations(case: Case, x: dict, with_compile: bool) -> dict:
+    """name -> (fn(q, k), (q, k), grads). Every entry takes HF's inputs and returns HF's layout, except
+    ours_kernels_only (see _kernels_only)."""
+    from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as hf_qwen25
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
+
+    vision = case.sections is None
+    cos, sin, inputs, grads = x["cos"], x["sin"], (x["q"], x["k"]), x["grads"]
+    if vision:
+        hf_apply = hf_qwen25.apply_rotary_pos_emb_vision
+        # What a patched model's vision attention calls: the dispatcher in the module global's place.
+        as_trained = patch._make_vision_apply(hf_apply)
+        rope_args = patch.VisionRopeArgs(x["inv_freq"])
+        ours = lambda q_, k_: as_trained(q_, k_, x["positions"], rope_args)
+    else:
+        hf_apply = hf_qwen35.apply_rotary_pos_emb if case.rotary_dim < case.head_dim else hf_qwen25.apply_rotary_pos_emb
+        as_trained = patch._make_text_apply(hf_apply)
+        rope_args = patch.MRopeArgs(x["inv_freq"], case.sections, case.interleaved, 1.0)
+        ours = lambda q_, k_: as_trained(q_, k_, x["positions"], rope_args)
     impls = {
-        "ours": (ours, (ours_q, ours_k), tuple(g.transpose(1, 2)[0] for g in grads) if not vision else grads),
-        "hf_eager": (lambda q_, k_: hf_apply(q_, k_, cos, sin), (q, k), grads),
-        "torch_compile": (torch.compile(lambda q_, k_: hf_apply(q_, k_, cos, sin), fullgraph=True), (q, k), grads),
+        "ours_as_trained": (ours, inputs, grads),
+        "hf_eager": (lambda q_, k_: hf_apply(q_, k_, cos, sin), inputs, grads),
     }
+    if with_compile:
+        compiled = torch.compile(lambda q_, k_: hf_apply(q_, k_, cos, sin), fullgraph=True, dynamic=False)
+        impls["torch_compile"] = (compiled, inputs, grads)
     liger = _liger(vision)
     if liger is not None:
-        impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), (q, k), grads)
-    for impl, (fn, inputs, impl_grads) in impls.items():
+        impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), inputs, grads)
+    # The two autograd mechanisms issue 16 weighed, bare (no validation, no patch dispatcher), on the kernel's views:
+    # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
+    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
+    for name, rope in (("mechanism_autograd_function", _RopeFunction.apply), ("mechanism_triton_op", _triton_op())):
+        impls[name] = (
+            lambda q_, k_, rope=rope: tuple(
+                to_kernel(t)
+                for t in rope(to_kernel(q_), to_kernel(k_), x["positions"], x["inv_freq"], layout, sections, 1.0)
+            ),
+            inputs,
+            grads,
+        )
+    return impls
+
+
+@functools.cache  # one registration per process
+def _triton_op():
+    """`bench_mrope::rope` as a `torch.library.triton_op` (kernel via `wrap_triton`) with its backward registered,
+    called like `_RopeFunction.apply`: the alternative to the product's autograd.Function, for the host-cost
+    comparison only."""
+    from torch.library import register_autograd, triton_op, wrap_triton
+
+    @triton_op("bench_mrope::rope", mutates_args=())
+    def rope(
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor,
+        inv_freq: torch.Tensor,
+        layout: int,
+        sections: list[int],
+        scaling: float,
+        conjugate: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        grid, scalars, constexprs = triton_rope._launch_plan(
+            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
+            q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
+        )  # fmt: skip
+        wrap_triton(triton_rope._rope_kernel)[grid](
+            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs
+        )
+        return q_out, k_out
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(inputs[2], inputs[3])
+        ctx.static_args = inputs[4:7]
+
+    def backward(ctx, grad_q, grad_k):
+        positions, inv_freq = ctx.saved_tensors
+        grads = rope(grad_q.contiguous(), grad_k.contiguous(), positions, inv_freq, *ctx.static_args, True)
+        return *grads, None, None, None, None, None, None
+
+    register_autograd("bench_mrope::rope", backward, setup_context=setup_context)
+    return lambda q, k, positions, inv_freq, layout, sections, scaling: rope(
+        q, k, positions, inv_freq, layout, list(sections), scaling, False
+    )
+
+
+def _kernels_only(case: Case, x: dict):
+    """(fwd, fwd+bwd) callables of the device work of ours without autograd: exactly what `_RopeFunction` runs
+    (allocate outputs, one launch per pass; backward = conjugate), on the (T, H, D) / (B, S, H, D) views the
+    dispatcher hands to the kernel."""
+    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    q, k = x["q"].detach(), x["k"].detach()
+    grad_q, grad_k = (g.detach() for g in x["grads"])
+    positions = x["positions"]
+    if case.sections is not None:
+        q, k, grad_q, grad_k = (t.transpose(1, 2) for t in (q, k, grad_q, grad_k))
+    fwd = lambda: _rotated(q, k, positions, x["inv_freq"], layout, sections, 1.0, False)
+    bwd = lambda: _rotated(grad_q, grad_k, positions, x["inv_freq"], layout, sections, 1.0, True)
+    return fwd, lambda: (fwd(), bwd())
+
+
+def run_case(case: Case, n_tokens: int, rows: list[dict], sweep: bool) -> None:
+    x = make_inputs(case, n_tokens)
+    q, k = x["q"], x["k"]
+    moved_bytes = 2 * (q.numel() + k.numel()) * q.element_size()  # read + write q, k once
+    for impl, (fn, inputs, impl_grads) in implementations(case, x, with_compile=True).items():
         try:
             t_fwd, t_fb = fwd_and_fwdbwd(fn, inputs, impl_grads)
         except Exception as exc:  # a third-party implementation failing is a row, not a crash
             print(f"{case.name} {impl} FAILED: {exc!r}"[:400], file=sys.stderr)
             t_fwd = t_fb = math.nan
         rows.append(_row(case.name, impl, t_fwd, t_fb, moved_bytes))
-    kernel_positions = positions if vision else packed_positions
-    rows.append(_kernels_only_row(case, ours_q, ours_k, kernel_positions, inv_freq, moved_bytes))
+    fwd, fwd_bwd = _kernels_only(case, x)
+    rows.append(_row(case.name, "ours_kernels_only", bench_ms(fwd), bench_ms(fwd_bwd), moved_bytes))
     with torch.no_grad():
         q_dense, k_dense = q.detach().contiguous(), k.detach().contiguous()
         t_copy = bench_ms(lambda: (q_dense.clone(), k_dense.clone()))
     rows.append(_row(case.name, "copy_floor", t_copy, 2 * t_copy, moved_bytes))
-
-    if not vision and case.rotary_dim < case.head_dim:
-        _inplace_rows(case, ours_q, ours_k, packed_positions, inv_freq, rows)
     if sweep:
-        _sweep(case, ours_q, ours_k, kernel_positions, inv_freq, rows)
+        _sweep(case, x, rows)
+
+
+def host_us_per_call(case: Case, calls: int) -> list[dict]:
+    """Host µs per call at T = 1, where the GPU work is a few µs: wall clock of `calls` back-to-back calls with one
+    synchronize at the end, so the host's Python, dispatch and launch cost is what is measured."""
+    x = make_inputs(case, 1)
+    impls = {name: entry for name, entry in implementations(case, x, with_compile=False).items() if name != "hf_eager"}
+    fwd, fwd_bwd = _kernels_only(case, x)
+    out = []
+    for impl, (fn, inputs, grads) in impls.items():
+
+        def run_fwd(fn=fn, inputs=inputs):
+            with torch.no_grad():
+                fn(*inputs)
+
+        def run_fwd_bwd(fn=fn, inputs=inputs, grads=grads):
+            torch.autograd.grad(fn(*inputs), inputs, grads)
+
+        out.append(_host_row(case.name, impl, run_fwd, run_fwd_bwd, calls))
+    out.append(_host_row(case.name, "ours_kernels_only", fwd, fwd_bwd, calls))
+    return out
+
+
+def _host_row(case: str, impl: str, fwd, fwd_bwd, calls: int) -> dict:
+    row = {"case": case, "impl": impl, "tokens": 1, "calls": calls}
+    for key, fn in (("host_fwd_us", fwd), ("host_fwdbwd_us", fwd_bwd)):
+        try:
+            for _ in range(20):  # warm: compilation, caches, allocator
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            torch.cuda.synchronize()
+            row[key] = (time.perf_counter() - start) / calls * 1e6
+        except Exception as exc:
+            print(f"{case} {impl} host timing FAILED: {exc!r}"[:400], file=sys.stderr)
+            row[key] = math.nan
+    return row
 
 
 def _layout(case: Case) -> int:
@@ -155,59 +287,29 @@ def _layout(case: Case) -> int:
     return triton_rope.LAYOUT_INTERLEAVED if case.interleaved else triton_rope.LAYOUT_CHUNKED
 
 
-def _kernels_only_row(case: Case, q, k, positions, inv_freq, moved_bytes: int) -> dict:
-    """The device work of our fwd+bwd without the autograd engine's host round trip: exactly what
-    `_RopeFunction.forward` and `.backward` run (allocate outputs, one launch each; backward = conjugate)."""
-    layout, sections = _layout(case), list(case.sections or (0, 0, 0))
-    q, k = q.detach(), k.detach()
-    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
-    fwd = lambda: _rotated(q, k, positions, inv_freq, layout, sections, 1.0, False)
-    bwd = lambda: _rotated(grad_q, grad_k, positions, inv_freq, layout, sections, 1.0, True)
-    t_fwd = bench_ms(fwd)
-    t_fb = bench_ms(lambda: (fwd(), bwd()))
-    return _row(case.name, "ours_kernels_only", t_fwd, t_fb, moved_bytes)
-
-
-def _inplace_rows(case, q, k, positions, inv_freq, rows) -> None:
-    """In-place partial rotary: only the R lanes move, both passes; floor = copying those lanes once per pass."""
-    rot, layout = case.rotary_dim, triton_rope.LAYOUT_INTERLEAVED
-    q, k = q.detach().clone(), k.detach().clone()
-    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
-    sections = list(case.sections)
-    rotary_bytes = 2 * (q[..., :rot].numel() + k[..., :rot].numel()) * q.element_size()
-
-    def fwd():
-        apply_mrope(q, k, positions, inv_freq, case.sections, case.interleaved, inplace=True)
-
-    def fwd_bwd():
-        fwd()
-        _rotated(grad_q, grad_k, positions, inv_freq, layout, sections, 1.0, True)
-
-    with torch.no_grad():
-        t_fwd, t_fb = bench_ms(fwd), bench_ms(fwd_bwd)
-        src_q, src_k = torch.randn_like(q), torch.randn_like(k)
-        t_copy = bench_ms(lambda: (q[..., :rot].copy_(src_q[..., :rot]), k[..., :rot].copy_(src_k[..., :rot])))
-        t_gradient_copy = bench_ms(lambda: (grad_q.clone(), grad_k.clone()))
-    name = f"{case.name} IN-PLACE"
-    rows.append(_row(name, "ours_inplace", t_fwd, t_fb, rotary_bytes))
-    rows.append(_row(name, "copy_floor_rotary_lanes", t_copy, t_copy + t_gradient_copy, rotary_bytes))
-
-
-def _sweep(case, q, k, positions, inv_freq, rows) -> None:
-    """Forward time of (BLOCK_T, num_warps) variants of the launcher, to tune the heuristic."""
-    layout = _layout(case)
-    q, k = q.detach(), k.detach()
+def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
+    """Forward time of launcher variants (BLOCK_T, num_warps, and for R == D half vs row tiles), to tune the
+    heuristics; the default is the row marked `default`."""
+    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    q, k = x["q"].detach(), x["k"].detach()
+    if case.sections is not None:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    sections = case.sections or (0, 0, 0)
-    for block_t, warps in [(1, 2), (1, 4), (2, 4), (4, 4), (8, 4), (2, 8), (4, 8), (8, 8), (16, 8)]:
+    row_tiles = [False, True] if case.rotary_dim == case.head_dim else [False]
+    configs = [(None, None, None)] + [
+        (bt, w, rt) for rt in row_tiles for bt, w in [(1, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+    ]
+    for block_t, warps, row_tile in configs:
         t = bench_ms(
-            lambda bt=block_t, w=warps: triton_rope.rope_launch(
-                q, k, qo, ko, positions, inv_freq, layout, sections, 1.0, False, block_t=bt, num_warps=w
+            lambda bt=block_t, w=warps, rt=row_tile: triton_rope.rope_launch(
+                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, rt
             )
         )
-        rows.append({"case": case.name, "impl": f"sweep_bt{block_t}_w{warps}", "fwd_us": t * 1e3})
+        name = "default" if block_t is None else f"bt{block_t}_w{warps}" + ("_row" if row_tile else "_half")
+        rows.append({"case": case.name, "impl": f"sweep_{name}", "fwd_us": t * 1e3})
 
 
+@functools.cache  # import (or report its absence) once
 def _liger(vision: bool):
     try:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb, liger_rotary_pos_emb_vision
@@ -228,25 +330,52 @@ def _row(case: str, impl: str, t_fwd_ms: float, t_fb_ms: float, moved_bytes: int
     }
 
 
-def print_table(rows: list[dict]) -> None:
-    floors = {r["case"]: r for r in rows if r["impl"].startswith("copy_floor")}
-    print(
-        f"{'case':48s} {'impl':24s} {'fwd µs':>8s} {'×floor':>7s} {'fwd+bwd µs':>11s} {'×floor':>7s} {'TB/s f/fb':>10s}"
-    )
+def with_floor_ratios(rows: list[dict]) -> None:
+    """Add fwd_x_floor / fwdbwd_x_floor to every timed row: its time over the copy floor of the same case."""
+    floors = {r["case"]: r for r in rows if r["impl"] == "copy_floor"}
     for r in rows:
-        if "fwdbwd_us" not in r:
-            continue
-        floor = floors[r["case"]]
-        print(
-            f"{r['case']:48s} {r['impl']:24s} {r['fwd_us']:8.1f} {r['fwd_us'] / floor['fwd_us']:7.2f} "
-            f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_us'] / floor['fwdbwd_us']:7.2f} "
-            f"{r['fwd_tbps']:4.2f}/{r['fwdbwd_tbps']:4.2f}"
-        )
+        if "fwdbwd_us" in r:
+            r["fwd_x_floor"] = r["fwd_us"] / floors[r["case"]]["fwd_us"]
+            r["fwdbwd_x_floor"] = r["fwdbwd_us"] / floors[r["case"]]["fwdbwd_us"]
+
+
+def check_targets(rows: list[dict]) -> list[dict]:
+    """The targets of issue 16 per case: as trained fwd+bwd <= 1.3x the floor and faster than Liger and
+    torch.compile; the kernels <= 1.15x the floor. Missing or failed rows count as misses."""
+    checks = []
+    for case in dict.fromkeys(r["case"] for r in rows if "fwdbwd_us" in r):
+        by_impl = {r["impl"]: r for r in rows if r["case"] == case and "fwdbwd_us" in r}
+        ours = by_impl["ours_as_trained"]["fwdbwd_us"]
+        goals = {
+            "as_trained_fwdbwd_le_1.3x_floor": by_impl["ours_as_trained"]["fwdbwd_x_floor"] <= 1.3,
+            "kernels_fwdbwd_le_1.15x_floor": by_impl["ours_kernels_only"]["fwdbwd_x_floor"] <= 1.15,
+        }
+        for rival in ("liger", "torch_compile"):
+            goals[f"as_trained_faster_than_{rival}"] = rival in by_impl and ours < by_impl[rival]["fwdbwd_us"]
+        checks.append({"case": case, **goals})
+    return checks
+
+
+def print_tables(rows: list[dict], host_rows: list[dict], checks: list[dict]) -> None:
+    print(f"{'case':42s} {'impl':28s} {'fwd µs':>8s} {'×floor':>7s} {'fwd+bwd µs':>11s} {'×floor':>7s}")
+    for r in rows:
+        if "fwdbwd_us" in r:
+            print(
+                f"{r['case']:42s} {r['impl']:28s} {r['fwd_us']:8.1f} {r['fwd_x_floor']:7.2f} "
+                f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_x_floor']:7.2f}"
+            )
+    print(f"\nhost µs per call at T = 1\n{'case':42s} {'impl':28s} {'fwd':>8s} {'fwd+bwd':>8s}")
+    for r in host_rows:
+        print(f"{r['case']:42s} {r['impl']:28s} {r['host_fwd_us']:8.1f} {r['host_fwdbwd_us']:8.1f}")
+    print("\ntargets (issue 16):")
+    for c in checks:
+        misses = [goal for goal, met in c.items() if goal != "case" and not met]
+        print(f"  {c['case']:42s} {'all met' if not misses else 'MISSED: ' + ', '.join(misses)}")
     sweep = [r for r in rows if r["impl"].startswith("sweep")]
     if sweep:
-        print("\nlaunch-config sweep (fwd µs):")
+        print("\nlaunch-config sweep (kernel fwd µs):")
         for r in sweep:
-            print(f"  {r['case']:48s} {r['impl']:20s} {r['fwd_us']:8.1f}")
+            print(f"  {r['case']:42s} {r['impl']:28s} {r['fwd_us']:8.1f}")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -273,16 +402,21 @@ def plot(rows: list[dict], path: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="artifacts/bench", help="folder for bench_mrope.json and bench_mrope.png")
+    parser.add_argument("--out", default="artifacts/bench/bench_mrope.json", help="JSON path (a .png lands beside)")
     parser.add_argument("--tokens", type=int, default=16384, help="packed tokens T")
+    parser.add_argument("--host-calls", type=int, default=2000, help="calls per host timing at T = 1")
     parser.add_argument("--sweep", action="store_true", help="also time launch-config variants of our kernel")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("bench_mrope needs a CUDA GPU")
     torch.manual_seed(0)
     rows: list[dict] = []
+    host_rows: list[dict] = []
     for case in CASES:
         run_case(case, args.tokens, rows, args.sweep)
+        host_rows += host_us_per_call(case, args.host_calls)
+    with_floor_ratios(rows)
+    checks = check_targets(rows)
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -290,13 +424,15 @@ def main() -> None:
         "triton": triton.__version__,
         "tokens": args.tokens,
         "dtype": "bfloat16",
+        "host_calls": args.host_calls,
     }
     print(" ".join(f"{k}={v}" for k, v in meta.items()))
-    print_table(rows)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "bench_mrope.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    plot(rows, os.path.join(args.out, "bench_mrope.png"))
+    print_tables(rows, host_rows, checks)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "rows": rows, "host_rows": host_rows, "targets": checks}, f, indent=1)
+    print(f"wrote {args.out}")
+    plot(rows, os.path.splitext(args.out)[0] + ".png")
 
 
 if __name__ == "__main__":

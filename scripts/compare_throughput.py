@@ -1,16 +1,41 @@
 """Throughput comparison: the same recipe trained with the fused mRoPE kernels and with transformers' unfused rope
-(optionally Liger-Kernel's rope, and padded instead of packed batches), one train.py process per variant.
+(optionally Liger-Kernel's rope, and padded instead of packed batches), one train.py process per run, every variant
+repeated with the variants alternating (A B A B ...), so drift of the machine hits all of them alike.
 
-    python scripts/compare_throughput.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml --steps 40 \
-        [--variants fused,unfused,padded] [--out artifacts/compare/NAME] [dotted.key=value ...]
+    python scripts/compare_throughput.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml --steps 14 --warmup 5 \
+        [--repeats 3] [--variants fused,unfused,liger] [--out artifacts/compare/NAME] [dotted.key=value ...]
     make compare CONFIG=recipes/... ARGS="--steps 40"
 
-Honest by construction: every variant is a separate process with the same recipe, seed and data order (only the
+Honest by construction: every run is a separate process with the same recipe, seed and data order (only the
 variant's own keys differ); throughput and MFU are train.py's own means over the steps after
-`logging.timing_warmup_steps`; tokens are real (non-pad) tokens. Each run logs to wandb in one group with its
-variant as a tag (offline automatically without a login). Writes into --out: one run directory per variant,
-`comparison.json` (every number below), `comparison.png` (tokens/s and loss per step) and `comparison.md` (the
-table), and prints the table.
+`logging.timing_warmup_steps`; tokens are real (non-pad) tokens. A variant's number is the median over its repeats,
+with the spread (min-max) beside it; a ratio is the ratio of medians, with the range min(A)/max(B) .. max(A)/min(B)
+that the repeats allow. Each run logs to wandb in one group with its variant as a tag (offline automatically without
+a login). Writes into --out: one run directory per run (`<variant>/run<i>`), `comparison.json`, `comparison.png`
+(tokens/s and loss per step, first repeat) and `comparison.md` (the table), and prints the table. The JSON and the
+table are rewritten after every full round of variants, so a session cut short keeps the rounds it finished.
+
+Is the host the bottleneck? train.py logs per step `host_issue_s`, the host time to fetch and issue the step
+(no sync), beside `step_time_s`, the wall time between the per-step syncs. After the host has issued its last
+kernel the device still drains its queue, and it is busy all that time, so 1 - host_issue_s / step_time_s is a lower
+bound on the device-busy fraction of the step (`gpu_busy_lower_bound`, median over the timed steps). CUDA events
+around the step cannot do better: they span the idle gaps inside the step too. A run whose bound is below
+HOST_BOUND_THRESHOLD (0.10: the device had less than a tenth of the step left to run when the host finished) is
+flagged `host_bound`: its device waited on the host (or on a sync inside the step), and its tokens/s measures the
+host as much as the device (a shared or slow host CPU moves it).
+
+comparison.json:
+  recipe, overrides, steps, warmup_steps, repeats, run_order ([variant, repeat] in the order run), wandb_group,
+  left_out {variant: reason}, environment {device, torch, transformers, commit, date_utc}, host_bound_threshold,
+  baseline, variants {name: {
+      tokens_per_s_per_gpu, step_time_s, mfu: medians over the repeats; tokens_per_s_min, tokens_per_s_max,
+      tokens_per_s_spread (max-min over median); <key>_ratio for those three (ratio of medians to the baseline);
+      gpu_busy_lower_bound (median over runs), host_bound (any run flagged); peak_mem_gib, loss_end, pack_efficiency,
+      timed_steps, fused_rope (first repeat); max_abs_dloss_vs_baseline, same_data_as_baseline (first repeats,
+      null for a padded run against a packed baseline); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
+      gpu_busy_lower_bound, host_bound, run_dir, wandb_dir, wall_s}]}},
+  ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float},
+  curves {variant: metrics.jsonl training records of its first repeat}
 
 Variants (train.py overrides they set):
   fused    kernels.mrope=fused,   packing.mode=packed
@@ -29,6 +54,7 @@ import math
 import os
 import platform
 import shlex
+import statistics
 import subprocess
 import sys
 import time
@@ -63,6 +89,7 @@ RESERVED_KEYS = {
     "checkpoint.resume",
 }
 LIGER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+HOST_BOUND_THRESHOLD = 0.10  # gpu_busy_lower_bound under this flags a run as host-bound (module docstring)
 # Runs train.py with Liger-Kernel's rope assigned to the module globals transformers' attention reads at call
 # time (Liger's own monkey patch targets a name transformers 5.x no longer uses, so it would silently do nothing).
 LIGER_BOOTSTRAP = """
@@ -81,6 +108,7 @@ class RunResult:
     """What one variant's train.py run produced (read back from its run directory)."""
 
     variant: str
+    repeat: int  # 1-based
     run_dir: Path
     summary: dict
     records: list[dict]  # metrics.jsonl training records (those with a loss), one per logged step
@@ -93,6 +121,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default: the recipe's)")
     parser.add_argument("--warmup", type=int, default=None, help="steps excluded from timing (default: the recipe's)")
     parser.add_argument("--variants", default="fused,unfused", help="comma list of: " + ", ".join(VARIANT_OVERRIDES))
+    parser.add_argument("--repeats", type=int, default=3, help="runs per variant, alternating A B A B ... (>= 1)")
     parser.add_argument(
         "--baseline", default=None, help="variant the ratios divide by (default: unfused, else the first)"
     )
@@ -146,6 +175,7 @@ def train_command(variant: str, model_type: str, launcher: str | None) -> list[s
 
 def run_variant(
     variant: str,
+    repeat: int,
     args: argparse.Namespace,
     model_type: str,
     out_dir: Path,
@@ -153,8 +183,9 @@ def run_variant(
     steps: int,
     warmup: int,
 ) -> RunResult:
-    """Train one variant in its own process; its console output goes to `<out>/<variant>/train.log`."""
-    run_dir = out_dir / variant
+    """Train one repeat of a variant in its own process; its console output goes to
+    `<out>/<variant>/run<repeat>/train.log`."""
+    run_dir = out_dir / variant / f"run{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in ("metrics.jsonl", "summary.json"):  # a rerun into the same --out must not read old numbers
         (run_dir / stale).unlink(missing_ok=True)
@@ -167,11 +198,11 @@ def run_variant(
         "logging.every_steps=1",  # per-step loss and throughput curves; one sync per step, the same in every run
         f"logging.group={group}",
         f"logging.tags=[{variant}, compare]",
-        f"logging.run_name={group}-{variant}",
+        f"logging.run_name={group}-{variant}-run{repeat}",
         "checkpoint.resume=null",
     ]
     command = [*train_command(variant, model_type, args.launcher), "--config", args.config, *overrides]
-    print(f"[compare] {variant}: {shlex.join(command)}", flush=True)
+    print(f"[compare] {variant} run {repeat}: {shlex.join(command)}", flush=True)
     env = {**os.environ, **SAFE_COLLECTIVES_ENV}
     log_path = run_dir / "train.log"
     start = time.perf_counter()
@@ -186,17 +217,25 @@ def run_variant(
     wall = time.perf_counter() - start
     if code != 0:
         tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"variant {variant} failed ({code}); end of {log_path}:\n{tail}")
+        raise RuntimeError(f"variant {variant} run {repeat} failed ({code}); end of {log_path}:\n{tail}")
     summary = json.loads((run_dir / "summary.json").read_text())
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     records = [r for r in records if "loss" in r]
-    print(f"[compare] {variant}: done in {wall:.0f} s, {summary['tokens_per_s_per_gpu'] or 0:.0f} tokens/s/GPU")
-    return RunResult(variant, run_dir, summary, records, wall)
+    print(
+        f"[compare] {variant} run {repeat}: done in {wall:.0f} s, {summary['tokens_per_s_per_gpu'] or 0:.0f} "
+        "tokens/s/GPU"
+    )
+    return RunResult(variant, repeat, run_dir, summary, records, wall)
 
 
 def _mean(values: list[float]) -> float | None:
     values = [v for v in values if v is not None and not math.isnan(v)]
     return sum(values) / len(values) if values else None
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = [v for v in values if v is not None and not math.isnan(v)]
+    return statistics.median(values) if values else None
 
 
 def max_abs_loss_gap(a: RunResult, b: RunResult) -> float | None:
@@ -212,53 +251,91 @@ def same_data(a: RunResult, b: RunResult) -> bool:
     return [r["pack_efficiency"] for r in a.records] == [r["pack_efficiency"] for r in b.records]
 
 
-def variant_numbers(result: RunResult, warmup: int) -> dict:
-    """One row of the table: means over the timed steps (after warm-up) from train.py's own accounting."""
+def gpu_busy_lower_bound(result: RunResult, warmup: int) -> float | None:
+    """Median over the timed steps of 1 - host_issue_s / step_time_s (module docstring); None without the field."""
+    timed = [r for r in result.records if r["step"] > warmup and r.get("host_issue_s") is not None]
+    return _median([max(0.0, 1.0 - r["host_issue_s"] / r["step_time_s"]) for r in timed if r["step_time_s"]])
+
+
+def run_numbers(result: RunResult, warmup: int) -> dict:
+    """One run: train.py's throughput over its timed steps and the device-busy bound."""
+    busy = gpu_busy_lower_bound(result, warmup)
     timed = [r for r in result.records if r["step"] > warmup]
-    summary = result.summary
     return {
-        "tokens_per_s_per_gpu": summary["tokens_per_s_per_gpu"],
+        "repeat": result.repeat,
+        "tokens_per_s_per_gpu": result.summary["tokens_per_s_per_gpu"],
         "step_time_s": _mean([r["step_time_s"] for r in timed]),
-        "mfu": summary["mfu"],
-        "peak_mem_gib": summary["peak_mem_gib"],
-        "loss_end": summary["loss_end"],
-        "pack_efficiency": _mean([r["pack_efficiency"] for r in timed]),
-        "timed_steps": summary["timed_steps"],
-        "fused_rope": summary["fused_rope"],
+        "mfu": result.summary["mfu"],
+        "gpu_busy_lower_bound": busy,
+        "host_bound": busy is not None and busy < HOST_BOUND_THRESHOLD,
         "run_dir": str(result.run_dir),
-        "wandb_dir": summary.get("wandb_dir"),
+        "wandb_dir": result.summary.get("wandb_dir"),
         "wall_s": result.wall_s,
     }
 
 
+def variant_numbers(runs: list[RunResult], warmup: int) -> dict:
+    """One row of the table: medians over the variant's repeats with their spread, plus the first repeat's
+    memory, loss and data figures (the same in every repeat: same seed and batches)."""
+    per_run = [run_numbers(r, warmup) for r in runs]
+    speeds = [r["tokens_per_s_per_gpu"] for r in per_run if r["tokens_per_s_per_gpu"] is not None]
+    median_speed = _median(speeds)
+    first = runs[0]
+    return {
+        "tokens_per_s_per_gpu": median_speed,
+        "tokens_per_s_min": min(speeds) if speeds else None,
+        "tokens_per_s_max": max(speeds) if speeds else None,
+        "tokens_per_s_spread": (max(speeds) - min(speeds)) / median_speed if median_speed else None,
+        "step_time_s": _median([r["step_time_s"] for r in per_run]),
+        "mfu": _median([r["mfu"] for r in per_run]),
+        "gpu_busy_lower_bound": _median([r["gpu_busy_lower_bound"] for r in per_run]),
+        "host_bound": any(r["host_bound"] for r in per_run),
+        "peak_mem_gib": first.summary["peak_mem_gib"],
+        "loss_end": first.summary["loss_end"],
+        "pack_efficiency": _mean([r["pack_efficiency"] for r in first.records if r["step"] > warmup]),
+        "timed_steps": first.summary["timed_steps"],
+        "fused_rope": first.summary["fused_rope"],
+        "runs": per_run,
+    }
+
+
 def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
-    """Rows per variant with ratios to `baseline`; |Δloss| and same-data checks against the baseline's packing mode
-    peer (padded runs see different batches, so their losses are compared only with each other)."""
-    by_name = {r.variant: r for r in results}
-    base = by_name[baseline]
-    rows = {r.variant: variant_numbers(r, warmup) for r in results}
+    """Rows per variant (medians over its repeats) with ratios of medians to `baseline`; |Δloss| and same-data
+    checks of the first repeats against the baseline's packing-mode peer (padded runs see different batches, so
+    their losses are compared only with each other)."""
+    by_name: dict[str, list[RunResult]] = {}
+    for result in results:
+        by_name.setdefault(result.variant, []).append(result)
+    base = by_name[baseline][0]
+    rows = {name: variant_numbers(runs, warmup) for name, runs in by_name.items()}
     base_row = rows[baseline]
     for name, row in rows.items():
         for key in ("tokens_per_s_per_gpu", "step_time_s", "mfu"):
             ours, theirs = row[key], base_row[key]
             row[f"{key}_ratio"] = ours / theirs if ours is not None and theirs else None
         peer = base if (name == "padded") == (baseline == "padded") else None
-        row["max_abs_dloss_vs_baseline"] = None if peer is None else max_abs_loss_gap(by_name[name], peer)
-        row["same_data_as_baseline"] = None if peer is None else same_data(by_name[name], peer)
+        row["max_abs_dloss_vs_baseline"] = None if peer is None else max_abs_loss_gap(by_name[name][0], peer)
+        row["same_data_as_baseline"] = None if peer is None else same_data(by_name[name][0], peer)
     named = {}
     if "fused" in rows and "unfused" in rows:
         named["fused/unfused tokens/s"] = _ratio(rows["fused"], rows["unfused"])
-        named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"], by_name["unfused"])
+        named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"][0], by_name["unfused"][0])
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
     if "fused" in rows and "liger" in rows:
         named["fused/liger tokens/s"] = _ratio(rows["fused"], rows["liger"])
-    return {"baseline": baseline, "variants": rows, "ratios": named}
+    return {"baseline": baseline, "host_bound_threshold": HOST_BOUND_THRESHOLD, "variants": rows, "ratios": named}
 
 
-def _ratio(a: dict, b: dict) -> float | None:
-    x, y = a["tokens_per_s_per_gpu"], b["tokens_per_s_per_gpu"]
-    return x / y if x is not None and y else None
+def _ratio(a: dict, b: dict) -> dict | None:
+    """Ratio of the medians, and the range the repeats allow: min(a)/max(b) .. max(a)/min(b)."""
+    if a["tokens_per_s_per_gpu"] is None or not b["tokens_per_s_per_gpu"]:
+        return None
+    return {
+        "median": a["tokens_per_s_per_gpu"] / b["tokens_per_s_per_gpu"],
+        "min": a["tokens_per_s_min"] / b["tokens_per_s_max"],
+        "max": a["tokens_per_s_max"] / b["tokens_per_s_min"],
+    }
 
 
 def _fmt(value, spec: str) -> str:
@@ -269,32 +346,44 @@ def table(comparison: dict) -> str:
     """The side-by-side table as Markdown (it pastes into the README as is)."""
     baseline = comparison["baseline"]
     lines = [
-        f"| variant | tokens/s/GPU | × {baseline} | step time (s) | MFU | peak mem (GiB) | final loss "
-        f"| max \\|Δloss\\| vs {baseline} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"| variant | runs | tokens/s/GPU (median, min–max) | × {baseline} | step time (s) | MFU "
+        f"| GPU busy ≥ | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in comparison["variants"].items():
         mfu = None if row["mfu"] is None else 100 * row["mfu"]
         gap = row["max_abs_dloss_vs_baseline"]
         gap_text = "other batches" if gap is None and name != baseline else _fmt(gap, ".2e")
+        busy = _fmt(row["gpu_busy_lower_bound"], ".2f") + (" host-bound" if row["host_bound"] else "")
         lines.append(
-            f"| {name} | {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} "
+            f"| {name} | {len(row['runs'])} | {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} "
+            f"({_fmt(row['tokens_per_s_min'], ',.0f')}–{_fmt(row['tokens_per_s_max'], ',.0f')}) "
             f"| {_fmt(row['tokens_per_s_per_gpu_ratio'], '.3f')} "
             f"| {_fmt(row['step_time_s'], '.3f')} | {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} "
-            f"| {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} |"
+            f"| {busy} | {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} |"
         )
     return "\n".join(lines)
 
 
+def ratio_lines(ratios: dict) -> str:
+    lines = []
+    for name, value in ratios.items():
+        if isinstance(value, dict):
+            lines.append(f"- {name}: {value['median']:.3f} (repeats allow {value['min']:.3f}–{value['max']:.3f})")
+        else:
+            lines.append(f"- {name}: {_fmt(value, '.4g')}")
+    return "\n".join(lines)
+
+
 def plot(results: list[RunResult], warmup: int, title: str, path: Path) -> None:
-    """tokens/s per GPU and loss against the step, one line per variant; the warm-up steps shaded."""
+    """tokens/s per GPU and loss against the step, one line per variant (its first repeat); warm-up shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_speed, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for result in results:
+    for result in (r for r in results if r.repeat == 1):
         steps = [r["step"] for r in result.records]
         ax_speed.plot(steps, [r["tokens_per_s_per_gpu"] for r in result.records], label=result.variant)
         ax_loss.plot(steps, [r["loss"] for r in result.records], label=result.variant)
@@ -352,34 +441,44 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--baseline {baseline} is not among the variants run ({', '.join(variants)}).")
     steps = args.steps or cfg.train.max_steps
     warmup = cfg.logging.timing_warmup_steps if args.warmup is None else args.warmup
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats {args.repeats}: need at least one run per variant.")
     if steps <= warmup:
         raise ConfigError(f"--steps {steps} must exceed the {warmup} warm-up steps (set --warmup or --steps).")
     recipe = Path(args.config).stem
     out_dir = Path(args.out or f"artifacts/compare/{recipe}").resolve()
     group = args.group or f"compare-{recipe}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
     env_info = environment()
-    print(f"[compare] {recipe}: {', '.join(variants)}; {steps} steps, {warmup} warm-up; wandb group {group}")
+    print(
+        f"[compare] {recipe}: {', '.join(variants)} x {args.repeats} alternating; {steps} steps, {warmup} warm-up; "
+        f"wandb group {group}"
+    )
 
-    results = [run_variant(v, args, model_type, out_dir, group, steps, warmup) for v in variants]
-    comparison = compare(results, baseline, warmup)
-    report = {
-        "recipe": args.config,
-        "overrides": args.overrides,
-        "steps": steps,
-        "warmup_steps": warmup,
-        "wandb_group": group,
-        "left_out": left_out,
-        "environment": env_info,
-        **comparison,
-        "curves": {r.variant: r.records for r in results},
-    }
+    order = [(v, repeat) for repeat in range(1, args.repeats + 1) for v in variants]  # A B A B ...
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
     title = f"{recipe} — {env_info['device']}, {env_info['date_utc']} UTC, commit {env_info['commit']}"
+    results: list[RunResult] = []
+    for variant, repeat in order:
+        results.append(run_variant(variant, repeat, args, model_type, out_dir, group, steps, warmup))
+        # After each full round, so a session cut short (a time limit) still leaves the rounds it finished.
+        if len(results) % len(variants) == 0:
+            report = {
+                "recipe": args.config,
+                "overrides": args.overrides,
+                "steps": steps,
+                "warmup_steps": warmup,
+                "repeats": len(results) // len(variants),
+                "run_order": [list(item) for item in order[: len(results)]],
+                "wandb_group": group,
+                "left_out": left_out,
+                "environment": env_info,
+                **compare(results, baseline, warmup),
+                "curves": {r.variant: r.records for r in results if r.repeat == 1},
+            }
+            text, ratios = table(report), ratio_lines(report["ratios"])
+            (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
+            (out_dir / "comparison.md").write_text(f"{title}\n\n{text}\n\n{ratios}\n")
     plot(results, warmup, title, out_dir / "comparison.png")
-    text = table(comparison)
-    ratios = "\n".join(f"- {k}: {_fmt(v, '.4g')}" for k, v in comparison["ratios"].items())
-    (out_dir / "comparison.md").write_text(f"{title}\n\n{text}\n\n{ratios}\n")
     print(f"\n{title}\n\n{text}\n\n{ratios}\n")
     print(f"[compare] wrote {out_dir}/comparison.{{json,png,md}}")
     return report

@@ -31,7 +31,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one step, log it, record its sta
 
 correctness_and_kernels() {
   step gpu_tests 180 $PY -m pytest -q -m gpu tests
-  step bench_mrope 150 $PY scripts/bench_mrope.py --out "$OUT/bench_mrope"
+  step bench_mrope 150 $PY scripts/bench_mrope.py --out "$OUT/bench_mrope.json"
   for family in qwen2_vl qwen2_5_vl qwen3_vl qwen3_vl_moe qwen3_5 qwen3_5_moe; do
     step "verify_packing_$family" 60 $PY scripts/verify_packing.py --config "recipes/tiny-$family.yaml" \
       model.dtype=bfloat16

@@ -48,7 +48,7 @@ from training.setup import build_accelerator, build_training  # noqa: E402
 # specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).
 CATEGORIES: tuple[tuple[str, str], ...] = (
     # our Triton kernels (mrope_kernels/triton_rope.py); on CPU, their autograd functions (mrope_kernels/ops.py)
-    ("rope", r"_rope_kernel|_rotate_heads|mrope_kernels::|_rope(function|inplace)"),
+    ("rope", r"_rope_kernel|_rotate_(heads|rows)|mrope_kernels::|_ropefunction"),
     # flash-linear-attention's kernels (Qwen3.5's linear-attention layers); the "torch" backend's generic ops
     # cannot be told apart from other elementwise/matmul work.
     ("gated_delta", r"gated_delta|chunk_(local|fwd|bwd|scaled)|recompute_w_u|solve_tril|recurrent|causal_conv1d"),

@@ -63,39 +63,61 @@ def wandb_run_record(run_dir: Path) -> wandb_internal_pb2.RunRecord:
 
 @pytest.mark.slow
 def test_fused_and_unfused_land_in_one_wandb_group(tmp_path, monkeypatch):
-    """Two separate train.py runs (fused, unfused) see the same batches, their losses agree closely (same math,
-    different rope code), the table/PNG/JSON are written, and both offline wandb runs carry the comparison's
-    group and their own variant tag."""
+    """Separate train.py runs, fused and unfused alternating twice (A B A B), see the same batches, their losses
+    agree closely (same math, different rope code); each variant reports the median of its repeats with the
+    spread and a device-busy bound in [0, 1]; the table/PNG/JSON are written, and every offline wandb run carries
+    the comparison's group and its own variant tag."""
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb"))
     out = tmp_path / "compare"
-    argv = ["--config", TINY, "--steps", "3", "--warmup", "1", "--out", str(out), "--group", "ci-compare"]
-    report = compare.main([*argv, *TINY_OVERRIDES])
+    argv = ["--config", TINY, "--steps", "3", "--warmup", "1", "--repeats", "2", "--out", str(out)]
+    report = compare.main([*argv, "--group", "ci-compare", *TINY_OVERRIDES])
 
+    assert report["run_order"] == [["fused", 1], ["unfused", 1], ["fused", 2], ["unfused", 2]]
     rows = report["variants"]
     assert list(rows) == ["fused", "unfused"]
     assert rows["fused"]["fused_rope"] and not rows["unfused"]["fused_rope"]
     for row in rows.values():
-        assert row["tokens_per_s_per_gpu"] > 0 and row["timed_steps"] == 2
+        assert row["timed_steps"] == 2 and [run["repeat"] for run in row["runs"]] == [1, 2]
+        speeds = [run["tokens_per_s_per_gpu"] for run in row["runs"]]
+        assert row["tokens_per_s_per_gpu"] == pytest.approx(sum(speeds) / 2)  # the median of two
+        assert row["tokens_per_s_min"] == min(speeds) > 0 and row["tokens_per_s_max"] == max(speeds)
+        assert all(0.0 <= run["gpu_busy_lower_bound"] <= 1.0 for run in row["runs"])
     assert rows["fused"]["same_data_as_baseline"]
     assert rows["fused"]["max_abs_dloss_vs_baseline"] < 1e-3
-    assert report["ratios"]["fused/unfused tokens/s"] == pytest.approx(
+    assert report["ratios"]["fused/unfused tokens/s"]["median"] == pytest.approx(
         rows["fused"]["tokens_per_s_per_gpu"] / rows["unfused"]["tokens_per_s_per_gpu"]
     )
     assert json.loads((out / "comparison.json").read_text())["wandb_group"] == "ci-compare"
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "comparison.md").read_text()
-    assert "| fused |" in table and "| unfused |" in table
+    assert "| fused | 2 |" in table and "| unfused | 2 |" in table
 
     for variant in ("fused", "unfused"):
-        run = wandb_run_record(out / variant)
-        assert run.run_group == "ci-compare"
-        assert variant in run.tags
+        for repeat in (1, 2):
+            run = wandb_run_record(out / variant / f"run{repeat}")
+            assert run.run_group == "ci-compare"
+            assert variant in run.tags
 
 
-def _result(variant: str, losses: list[float], efficiency: list[float], tokens_per_s: float) -> compare.RunResult:
+def _result(
+    variant: str,
+    losses: list[float],
+    efficiency: list[float],
+    tokens_per_s: float,
+    repeat: int = 1,
+    host_share: float = 0.5,
+) -> compare.RunResult:
+    """A run whose host spends `host_share` of each step issuing it."""
+    step_time = 1000.0 / tokens_per_s
     records = [
-        {"step": i + 1, "loss": loss, "pack_efficiency": eff, "step_time_s": 1000.0 / tokens_per_s}
+        {
+            "step": i + 1,
+            "loss": loss,
+            "pack_efficiency": eff,
+            "step_time_s": step_time,
+            "host_issue_s": host_share * step_time,
+        }
         for i, (loss, eff) in enumerate(zip(losses, efficiency))
     ]
     summary = {
@@ -106,7 +128,7 @@ def _result(variant: str, losses: list[float], efficiency: list[float], tokens_p
         "timed_steps": len(losses) - 1,
         "fused_rope": variant != "unfused",
     }
-    return compare.RunResult(variant, Path(variant), summary, records, 1.0)
+    return compare.RunResult(variant, repeat, Path(variant) / f"run{repeat}", summary, records, 1.0)
 
 
 def test_ratios_and_loss_gaps_follow_the_baseline():
@@ -123,11 +145,40 @@ def test_ratios_and_loss_gaps_follow_the_baseline():
     assert rows["fused"]["max_abs_dloss_vs_baseline"] == pytest.approx(0.2)
     assert rows["fused"]["same_data_as_baseline"] is True
     assert rows["padded"]["max_abs_dloss_vs_baseline"] is None
-    assert comparison["ratios"]["packed/padded tokens/s"] == pytest.approx(2.0)
+    assert comparison["ratios"]["packed/padded tokens/s"]["median"] == pytest.approx(2.0)
     assert "| padded |" in compare.table(comparison)
 
     shifted = _result("fused", [5.0, 4.0, 3.0], [0.9, 0.7, 0.9], 120.0)
     assert not compare.same_data(shifted, results[1])
+
+
+def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
+    """A variant's throughput is the median of its repeats with min and max beside it; a ratio is the ratio of
+    medians with the range the repeats allow (min/max .. max/min); a run whose host issued its steps in more than
+    90% of the step time (device-busy bound under 0.10) is flagged host-bound, and so is its variant."""
+    losses, efficiency = [5.0, 4.0, 3.0], [0.9, 0.8, 0.9]
+    results = [
+        _result("fused", losses, efficiency, 120.0, repeat=1),
+        _result("unfused", losses, efficiency, 100.0, repeat=1),
+        _result("fused", losses, efficiency, 90.0, repeat=2, host_share=0.95),
+        _result("unfused", losses, efficiency, 104.0, repeat=2),
+        _result("fused", losses, efficiency, 126.0, repeat=3),
+        _result("unfused", losses, efficiency, 96.0, repeat=3),
+    ]
+    comparison = compare.compare(results, "unfused", warmup=1)
+    fused, unfused = comparison["variants"]["fused"], comparison["variants"]["unfused"]
+    assert fused["tokens_per_s_per_gpu"] == 120.0 and unfused["tokens_per_s_per_gpu"] == 100.0
+    assert (fused["tokens_per_s_min"], fused["tokens_per_s_max"]) == (90.0, 126.0)
+    assert fused["tokens_per_s_spread"] == pytest.approx(36.0 / 120.0)
+    assert comparison["ratios"]["fused/unfused tokens/s"] == pytest.approx(
+        {"median": 1.2, "min": 90.0 / 104.0, "max": 126.0 / 96.0}
+    )
+    assert [run["host_bound"] for run in fused["runs"]] == [False, True, False]
+    assert fused["runs"][1]["gpu_busy_lower_bound"] == pytest.approx(0.05)
+    assert fused["host_bound"] and not unfused["host_bound"]
+    assert fused["gpu_busy_lower_bound"] == pytest.approx(0.5)
+    assert "host-bound" in compare.table(comparison)
+    assert "repeats allow 0.865–1.312" in compare.ratio_lines(comparison["ratios"])
 
 
 def test_variant_selection_refuses_bad_requests():

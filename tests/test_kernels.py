@@ -133,6 +133,8 @@ TEXT_CASES = [
     TextCase("qwen2_5_vl", 130, 7, 1, 64, (4, 14, 14), "bshd_transposed"),
     TextCase("qwen3_vl", 37, 8, 2, 128, (24, 20, 20), max_position=100_000),
     TextCase("qwen3_vl", 100, 4, 4, 80, (14, 13, 13), "bshd_transposed"),
+    # R = D = 72: in bf16 the 36-lane halves are not whole 16-byte vectors, so whole rows are rotated (row tile)
+    TextCase("qwen3_vl", 23, 3, 1, 72, (12, 12, 12), "bshd_transposed", max_position=100_000),
     TextCase("qwen3_5", 101, 6, 2, 256, (11, 11, 10), "chunk", partial=0.25),
     TextCase("qwen3_5", 19, 3, 1, 72, (6, 6, 6), "chunk", partial=0.5, max_position=100_000),
 ]
@@ -221,8 +223,8 @@ def test_reference_matches_transformers_fp32():
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the reference fallback serves CPU tensors only")
 def test_cpu_fallback_without_interpreter_matches_transformers(monkeypatch):
-    """Without TRITON_INTERPRET, CPU tensors take the reference path: same forward, gradients (conjugate via
-    negated positions) and in-place semantics as transformers / the kernels."""
+    """Without TRITON_INTERPRET, CPU tensors take the reference path: same forward and gradients (conjugate via
+    negated positions) as transformers / the kernels."""
     monkeypatch.setattr(triton_rope, "RUNS_IN_INTERPRETER", False)
     torch.manual_seed(8)
     case = TEXT_CASES[4]
@@ -237,9 +239,6 @@ def test_cpu_fallback_without_interpreter_matches_transformers(monkeypatch):
     out_grads = torch.autograd.grad(out, (q, k), grads)
     for ours, theirs, what in zip((*out, *out_grads), (*ref, *ref_grads), ("q", "k", "dq", "dk")):
         assert_matches(ours.detach(), theirs.detach(), f"fallback {what}")
-    q_inplace, k_inplace = q.detach().clone(), k.detach().clone()
-    apply_mrope(q_inplace, k_inplace, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
-    assert_matches(q_inplace, ref[0].detach(), "fallback in-place q")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -247,24 +246,37 @@ def test_cpu_fallback_without_interpreter_matches_transformers(monkeypatch):
 # --------------------------------------------------------------------------------------------------------------
 
 
+def vision_qk(n_tokens: int, heads: int, head_dim: int, dtype, qkv_view: bool):
+    """q, k (T, H, D): contiguous, or views of one (T, 3, H, D) qkv projection as the ViT attention unbinds it
+    (token stride 3·H·D, k starting H·D elements after q)."""
+    if qkv_view:
+        qkv = torch.randn(n_tokens, 3, heads, head_dim, device=DEVICE, dtype=dtype)
+        q, k, _ = qkv.unbind(1)
+        return q, k
+    q = torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
+    return q, torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
+
+
 @pytest.mark.parametrize(
-    ("family", "n_tokens", "heads", "head_dim", "dtype"),
+    ("family", "n_tokens", "heads", "head_dim", "dtype", "qkv_view", "max_position"),
     [
-        ("qwen2_5_vl", 67, 3, 80, torch.float32),
-        ("qwen3_vl", 1, 2, 72, torch.bfloat16),
-        ("qwen3_5", 33, 2, 64, torch.float32),
-        ("qwen3_vl", 45, 4, 72, torch.float32),
+        ("qwen2_5_vl", 67, 3, 80, torch.float32, False, 2000),
+        ("qwen3_vl", 1, 2, 72, torch.bfloat16, False, 2000),
+        ("qwen3_5", 33, 2, 64, torch.float32, False, 2000),
+        ("qwen3_vl", 45, 4, 72, torch.float32, False, 2000),
+        ("qwen3_5", 37, 3, 72, torch.bfloat16, True, 100_000),
+        ("qwen2_5_vl", 29, 5, 80, torch.bfloat16, True, 2000),
     ],
 )
-def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_dim, dtype):
+def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_dim, dtype, qkv_view, max_position):
     """apply_vision_rope equals transformers' vision rotary module + apply_rotary_pos_emb_vision (fp32) forward
-    and backward, with the frequency index restarting per axis; inputs unmodified."""
+    and backward, with the frequency index restarting per axis; inputs unmodified. D=72 in bf16 takes the row
+    tile (36-lane halves are not whole 16-byte vectors), D=72 in fp32 and D=64/80 the half tiles."""
     torch.manual_seed(3)
     rotary, apply = hf_vision(family, head_dim)
     rotary = rotary.to(DEVICE)
-    q = torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
-    k = torch.randn(n_tokens, heads, head_dim, device=DEVICE, dtype=dtype)
-    positions = torch.randint(0, 2000, (n_tokens, 2), device=DEVICE)
+    q, k = vision_qk(n_tokens, heads, head_dim, dtype, qkv_view)
+    positions = torch.randint(0, max_position, (n_tokens, 2), device=DEVICE)
     q_before = q.clone()
     q_ref, k_ref = q.detach().float().requires_grad_(), k.detach().float().requires_grad_()
     cos, sin = rotary(q_ref, positions)
@@ -284,124 +296,68 @@ def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_
 
 
 # --------------------------------------------------------------------------------------------------------------
-# the launcher writes every element; in-place touches only the rotary lanes
+# the launcher writes every element
 # --------------------------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    ("layout", "head_dim", "inv_len", "sections"),
+    ("layout", "head_dim", "inv_len", "sections", "row_tile", "dtype"),
     [
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15)),
-        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10)),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0)),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), False, torch.float32),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), True, torch.float32),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10), False, torch.float32),
+        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), True, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), False, torch.float32),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), True, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), True, torch.float16),
     ],
 )
-def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections):
+def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, row_tile, dtype):
     """Into NaN-poisoned outputs, the launcher writes every element (rotary and pass-through lanes) of every
-    head and token: no NaN survives and the result equals the reference."""
+    head and token, with half tiles and with row tiles (forced here even where the heuristic would not pick
+    them): no NaN survives and the result equals the reference."""
     torch.manual_seed(4)
     n_tokens, heads_q, heads_k = 29, 5, 3
-    q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE)
-    k = torch.randn(n_tokens, heads_k, head_dim, device=DEVICE)
+    q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=dtype)
+    k = torch.randn(n_tokens, heads_k, head_dim, device=DEVICE, dtype=dtype)
     inv_freq = torch.rand(inv_len, device=DEVICE)
     q_out = torch.full_like(q, float("nan"))
     k_out = torch.full_like(k, float("nan"))
     if layout == triton_rope.LAYOUT_VISION:
         positions = torch.randint(0, 100, (n_tokens, 2), device=DEVICE)
-        ref = apply_vision_rope_reference(q, k, positions, inv_freq)
+        ref = apply_vision_rope_reference(q.float(), k.float(), positions, inv_freq)
     else:
         positions = text_positions((n_tokens,), 1000)
         interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
-        ref = apply_mrope_reference(q, k, positions, inv_freq, sections, interleaved)
-    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False)
+        ref = apply_mrope_reference(q.float(), k.float(), positions, inv_freq, sections, interleaved)
+    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, row_tile=row_tile)
     assert_matches(q_out, ref[0], "q")
     assert_matches(k_out, ref[1], "k")
 
 
-def test_inplace_partial_rotary_touches_only_rotary_lanes_and_backprops():
-    """inplace=True returns q and k themselves, rotates lanes [0, R) exactly as transformers does, leaves the
-    pass-through lanes bit-identical, and gradients through it equal transformers' (Qwen3.5 partial rotary)."""
-    torch.manual_seed(5)
-    case = TEXT_CASES[4]
-    rotary, apply, interleaved, q, k, positions = _text_inputs(case, torch.float32)
-    rot = 2 * rotary.inv_freq.numel()
-    ref_q, ref_k = _hf_fp32(rotary, apply, q, k, positions)
-    q_pass, k_pass = q[..., rot:].clone(), k[..., rot:].clone()
-    out_q, out_k = apply_mrope(q, k, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
-    assert out_q.data_ptr() == q.data_ptr() and out_k.data_ptr() == k.data_ptr()
-    assert torch.equal(q[..., rot:], q_pass) and torch.equal(k[..., rot:], k_pass)
-    assert_matches(q, ref_q, "in-place q")
-    assert_matches(k, ref_k, "in-place k")
-
-    q_leaf, k_leaf = torch.randn_like(q, requires_grad=True), torch.randn_like(k, requires_grad=True)
-    q_ref, k_ref = q_leaf.detach().clone().requires_grad_(), k_leaf.detach().clone().requires_grad_()
-    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
-    out = apply_mrope(q_leaf * 1.0, k_leaf * 1.0, positions, rotary.inv_freq, case.sections, interleaved, inplace=True)
-    dq, dk = torch.autograd.grad(out, (q_leaf, k_leaf), (grad_q.clone(), grad_k.clone()))
-    ref = _hf_fp32(rotary, apply, q_ref, k_ref, positions)
-    ref_dq, ref_dk = torch.autograd.grad(ref, (q_ref, k_ref), (grad_q, grad_k))
-    assert_matches(dq, ref_dq, "in-place q gradient")
-    assert_matches(dk, ref_dk, "in-place k gradient")
-
-
-def test_inplace_backward_leaves_incoming_gradients_alone():
-    """In-place rope never writes the gradients it receives: the caller's grad_outputs stay as they were, and a
-    gradient shared with another branch of the graph reaches that branch unrotated."""
-    torch.manual_seed(7)
+def test_cached_launch_plans_and_checks_follow_the_signature():
+    """Launch plans and validation verdicts are cached per (shape, strides, dtype, device) signature: calls that
+    share a shape but not strides or dtype each get their own plan and match the reference, and a rejected input
+    is rejected again on every call (errors are never cached)."""
+    torch.manual_seed(9)
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
-    positions = text_positions((9,), 500)
-    q = torch.randn(9, 2, 64, device=DEVICE, requires_grad=True)
-    k = torch.randn(9, 1, 64, device=DEVICE, requires_grad=True)
-    grad_q, grad_k = torch.randn_like(q), torch.randn_like(k)
-    kept_q = grad_q.clone()
-    out = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12], inplace=True)
-    in_place_grads = torch.autograd.grad(out, (q, k), (grad_q, grad_k))
-    assert torch.equal(grad_q, kept_q)
-    out = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12])
-    torch.testing.assert_close(in_place_grads, torch.autograd.grad(out, (q, k), (grad_q, grad_k)))
-
-    other = torch.randn_like(q, requires_grad=True)
-    out_q, _ = apply_mrope(q * 1.0, k * 1.0, positions, inv_freq, [8, 12, 12], inplace=True)
-    weights = torch.randn_like(q)
-    ((out_q + 2.0 * other) * weights).sum().backward()
-    torch.testing.assert_close(other.grad, 2.0 * weights)
-
-
-def test_inplace_on_views_that_need_gradients():
-    """In-place rope on transposed and sliced views that require grad (what transformers hands over) returns the
-    views themselves, rotated as out of place, with the same gradients; a leaf that requires grad is refused
-    before anything is written, and so is memory that overlaps itself."""
-    torch.manual_seed(8)
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
-    positions = text_positions((1, 7), 500)
-    base_q = torch.randn(1, 2, 7, 128, device=DEVICE, requires_grad=True)  # (B, H, S, 2D): q and gate halves
-    base_k = torch.randn(1, 1, 7, 64, device=DEVICE, requires_grad=True)
-
-    def views():
-        # a slice, not chunk(): PyTorch forbids in-place writes to outputs of multi-view functions like chunk
-        q = (base_q * 1.0).transpose(1, 2)[..., :64]
-        return q, (base_k * 1.0).transpose(1, 2)
-
-    expected = apply_mrope(*views(), positions, inv_freq, [8, 12, 12])
-    q, k = views()
-    out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], inplace=True)
-    assert out[0] is q and out[1] is k
-    torch.testing.assert_close(out, expected)
-    weights = torch.randn_like(expected[0])
-    grads = torch.autograd.grad((out[0] * weights).sum() + out[1].sum(), (base_q, base_k))
-    expected_grads = torch.autograd.grad((expected[0] * weights).sum() + expected[1].sum(), (base_q, base_k))
-    torch.testing.assert_close(grads, expected_grads)
-
-    leaf = torch.randn(7, 2, 64, device=DEVICE, requires_grad=True)
-    before = leaf.detach().clone()
-    with pytest.raises(RuntimeError, match="leaf"):
-        apply_mrope(leaf, torch.randn(7, 1, 64, device=DEVICE), positions[:, 0], inv_freq, [8, 12, 12], inplace=True)
-    assert torch.equal(leaf.detach(), before)
-    expanded = torch.randn(1, 2, 64, device=DEVICE).expand(7, 2, 64)
-    with pytest.raises(ValueError, match="overlap"):
-        apply_mrope(
-            expanded, torch.randn(7, 1, 64, device=DEVICE), positions[:, 0], inv_freq, [8, 12, 12], True, 1.0, True
-        )
+    positions = text_positions((11,), 300)
+    base_q = torch.randn(11, 4, 64, device=DEVICE)
+    variants = [
+        (base_q, torch.randn(11, 2, 64, device=DEVICE)),
+        (torch.randn(4, 11, 64, device=DEVICE).transpose(0, 1), torch.randn(2, 11, 64, device=DEVICE).transpose(0, 1)),
+        (base_q.bfloat16(), torch.randn(11, 2, 64, device=DEVICE, dtype=torch.bfloat16)),
+        (base_q, torch.randn(11, 2, 64, device=DEVICE)),
+    ]
+    for q, k in variants:
+        expected = apply_mrope_reference(q.float(), k.float(), positions, inv_freq, (8, 12, 12), True)
+        out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True)
+        assert out[0].stride() == q.stride() and out[1].stride() == k.stride()
+        assert_matches(out[0], expected[0], "q")
+        assert_matches(out[1], expected[1], "k")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="sums to"):
+            apply_mrope(base_q, variants[0][1], positions, inv_freq, [8, 12, 11])
 
 
 def test_second_order_gradients_are_refused_not_silently_wrong():
@@ -436,27 +392,6 @@ def test_torch_compile_fullgraph_traces_without_graph_break():
     eager_loss = fn(q, k)
     eager_grads = torch.autograd.grad(eager_loss, (q, k))
     compiled_loss = compiled(q, k)
-    compiled_grads = torch.autograd.grad(compiled_loss, (q, k))
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    torch.testing.assert_close(compiled_grads, eager_grads)
-
-
-def test_torch_compile_fullgraph_inplace():
-    """The in-place variant (mutating custom op inside an autograd.Function) also traces with fullgraph=True
-    and matches eager forward and backward."""
-    torch.manual_seed(7)
-    q = torch.randn(7, 2, 64, device=DEVICE, requires_grad=True)
-    k = torch.randn(7, 1, 64, device=DEVICE, requires_grad=True)
-    positions = text_positions((7,), 50)
-    inv_freq = torch.rand(16, device=DEVICE)
-
-    def fn(q, k):
-        rot_q, rot_k = apply_mrope(q * 2.0, k * 2.0, positions, inv_freq, [6, 5, 5], interleaved=True, inplace=True)
-        return (rot_q * rot_q.detach()).sum() + rot_k.sum()
-
-    eager_loss = fn(q, k)
-    eager_grads = torch.autograd.grad(eager_loss, (q, k))
-    compiled_loss = torch.compile(fn, fullgraph=True, backend="aot_eager")(q, k)
     compiled_grads = torch.autograd.grad(compiled_loss, (q, k))
     torch.testing.assert_close(compiled_loss, eager_loss)
     torch.testing.assert_close(compiled_grads, eager_grads)
@@ -553,6 +488,9 @@ def test_gpu_large_positions_fp32_accuracy():
 
 
 @pytest.mark.gpu
-def test_gpu_vision_large_matches_transformers():
-    """ViT 16x72 at T = 16384 in bf16 on the GPU matches transformers' vision rope (fp32) fwd and bwd."""
-    test_vision_rope_matches_transformers_fwd_bwd("qwen3_vl", 16384, 16, 72, torch.bfloat16)
+@pytest.mark.parametrize("qkv_view", [False, True], ids=["contiguous", "qkv-view"])
+@pytest.mark.parametrize(("family", "head_dim"), [("qwen3_vl", 72), ("qwen2_5_vl", 80)], ids=["16x72", "16x80"])
+def test_gpu_vision_large_matches_transformers(family, head_dim, qkv_view):
+    """ViT 16x72 (row tile) and 16x80 (half tiles) at T = 16384 in bf16 on the GPU, contiguous and as views of the
+    qkv projection, match transformers' vision rope (fp32) fwd and bwd."""
+    test_vision_rope_matches_transformers_fwd_bwd(family, 16384, 16, head_dim, torch.bfloat16, qkv_view, 2000)

@@ -33,6 +33,7 @@ METRIC_KEYS = {
     "text_tokens_per_s",
     "vision_tokens_per_s",
     "step_time_s",
+    "host_issue_s",
     "mfu",
     "pack_efficiency",
     "peak_mem_gib",
@@ -99,6 +100,7 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
         assert set(record) >= METRIC_KEYS
         assert record["tokens_per_s_per_gpu"] > 0 and 0 < record["pack_efficiency"] <= 1
         assert record["mfu"] is None  # no peak FLOP/s on CPU without logging.peak_tflops
+        assert 0 < record["host_issue_s"] <= record["step_time_s"]  # issuing a step is part of its wall time
     assert any("eval_loss" in r for r in read_metrics(out))
     assert summary["steps"] == 4 and summary["loss_end"] < summary["loss_start"]
     assert summary == json.loads((out / "summary.json").read_text())

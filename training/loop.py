@@ -360,7 +360,9 @@ def train(
     )
     batches = Prefetcher(train_loader, pin=device.type == "cuda")
     module.train()
+    host_issue_s = 0.0  # host time spent issuing the interval's steps (no sync): see _log_interval's record
     for step in range(start_step + 1, tcfg.max_steps + 1):
+        issue_start = time.perf_counter()
         host_batches = [next(batches) for _ in range(tcfg.grad_accum_steps)]
         for b in host_batches:
             flops = metrics.pack_flops(flop_profile, b["sample_lengths"], _grids(b))
@@ -373,6 +375,7 @@ def train(
         loss_acc += loss_sum
         labels_acc += label_count
         grad_norm_acc += grad_norm
+        host_issue_s += time.perf_counter() - issue_start
         counts.steps += 1
         timed_counts.steps += timed_clock.running
         bar.update(1)
@@ -385,10 +388,13 @@ def train(
             )
             # train.lr on its schedule, whichever parts train (the per-part groups scale the same schedule)
             lr = tcfg.lr * optim.lr_multiplier(step, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
-            record.update(step=step, lr=lr)
+            # Host time to fetch and issue a step (no sync), beside the synced step_time_s: when the two are close,
+            # the device had run out of queued work when the host finished, i.e. it waited on the host.
+            record.update(step=step, lr=lr, host_issue_s=host_issue_s / counts.steps)
             result.logged.append(record)
             _emit(accelerator, record, metrics_file, bar)
             counts = metrics.IntervalCounts()
+            host_issue_s = 0.0
             loss_acc.zero_()
             labels_acc.zero_()
             grad_norm_acc.zero_()

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Issue 16 on one GPU: the rope kernels' GPU tests, the kernel benchmark and the end-to-end comparisons of the
+# 3B, 8B and Qwen3.5 bench shapes with alternating repeats, everything under one artifacts dir.
+#
+#   bash scripts/gpu_rope_suite.sh OUT [STAGE ...]      STAGE: tests bench compare-3b compare-8b compare-qwen3_5
+#                                                       (default: all five, in that order)
+#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
+#   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
+#
+# Each comparison runs every variant REPEATS times, alternating (A B A B ...), STEPS optimizer steps per run with the
+# first WARMUP untimed, on SAMPLES built-in samples (600: about 12 of the 16k-token packs, so a run stays in its first
+# epoch). Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
+# A comparison cut short by its limit keeps comparison.json of the rounds (one run of every variant) it finished.
+# Carried wheels in .whl/ (transformers 5.23, Liger-Kernel, ...) are installed into a private site dir first.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-artifacts/gpu-rope}
+shift || true
+STAGES=${*:-tests bench compare-3b compare-8b compare-qwen3_5}
+REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600} COMPARE_LIMIT=${COMPARE_LIMIT:-540}
+REPORT_TO=${REPORT_TO:-wandb}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+PY=python3
+$PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
+'transformers', transformers.__version__, torch.cuda.get_device_name(0))" | tee "$OUT/environment.txt"
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run one stage, log it, record its status
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  echo "[gpu-rope] $name (limit ${limit}s)"
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/status.txt"
+}
+
+compare() {  # compare NAME RECIPE VARIANTS
+  step "compare_$1" "$COMPARE_LIMIT" $PY scripts/compare_throughput.py --config "recipes/$2.yaml" --variants "$3" \
+    --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$1" \
+    data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO"
+}
+
+for stage in $STAGES; do
+  case $stage in
+    # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
+    tests) step gpu_tests 300 bash -c "$PY -m pytest -q tests/test_kernels.py && $PY -m pytest -q -m gpu tests/test_patch.py" ;;
+    bench) step bench_mrope 300 $PY scripts/bench_mrope.py --sweep --out "$OUT/bench_mrope.json" ;;
+    compare-3b) compare 3b bench-qwen2_5_vl-3b-shape fused,unfused,liger ;;
+    compare-8b) compare 8b bench-qwen3_vl-8b-shape fused,unfused ;;
+    compare-qwen3_5) compare qwen3_5 bench-qwen3_5-shape fused,unfused ;;
+    *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5)"; exit 2 ;;
+  esac
+done
+for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
+echo "=== status"
+cat "$OUT/status.txt"
