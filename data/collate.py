@@ -75,7 +75,7 @@ class Collator:
 
     def video_inputs(self, rows: list[dict]) -> dict:
         """pixel_values_videos (P, C·tp·p·p) float32, video_grid_thw (n_videos, 3) long and second_per_grid_ts
-        (n_videos,) float32, in sample order; or Nones."""
+        (n_videos,) float64, in sample order; or Nones."""
         refs = [ref for row in rows for ref in row["videos"]]
         if not refs:
             return {"pixel_values_videos": None, "video_grid_thw": None, "second_per_grid_ts": None}
@@ -91,7 +91,8 @@ class Collator:
                 "video grids differ from the processed dataset's: the image processor, data.video_* settings or the "
                 "video files changed since preprocessing; delete the data cache (data.cache_dir) to reprocess."
             )
-        seconds = torch.tensor([s for row in rows for s in row["second_per_grid_ts"]], dtype=torch.float32)
+        # float64 as at processing, so a reference that recomputes positions from it gets the same ones
+        seconds = torch.tensor([s for row in rows for s in row["second_per_grid_ts"]], dtype=torch.float64)
         return {"pixel_values_videos": torch.cat(patches), "video_grid_thw": stored, "second_per_grid_ts": seconds}
 
     @staticmethod

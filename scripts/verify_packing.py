@@ -48,9 +48,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def to_device(batch: dict, device: str, dtype: torch.dtype) -> dict:
-    """Tensors of `batch` on `device`; floating ones (pixel_values) in the model's dtype."""
+    """Tensors of `batch` on `device`; pixel values in the model's dtype (second_per_grid_ts keeps its float64:
+    the reference derives positions from it)."""
     return {
-        key: value.to(device, dtype if value.is_floating_point() else None) if torch.is_tensor(value) else value
+        key: value.to(device, dtype if key.startswith("pixel_values") else None) if torch.is_tensor(value) else value
         for key, value in batch.items()
     }
 

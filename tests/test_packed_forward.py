@@ -41,7 +41,23 @@ MIXED_PACK = (
     SampleSpec(2, ((4, 4),), text_after=0),  # the pack ends with an image
 )
 BUDGET_FILLING = (SampleSpec(40, ((4, 8),), text_after=50),)  # one sample filling the whole pack
+VIDEO_PACK = (
+    SampleSpec(0, videos=((3, 4, 4),), text_after=5),  # the pack starts with a video (odd t: the temporal axis moves)
+    SampleSpec(4, ((2, 4),), text_between=3, videos=((2, 2, 4), (1, 4, 2)), text_after=2),  # image + two videos
+    SampleSpec(6),  # text only between videos
+    SampleSpec(2, videos=((2, 4, 4),)),  # the pack ends with a video
+)
 
+
+VISUAL_FIELDS = (
+    "input_ids",
+    "shift_labels",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 
 MODERATE_SHAPES = {  # wider heads than the tiny recipes (head_dim 128 / 256 as in the real models), for the GPU
     "qwen2_5_vl": [
@@ -72,7 +88,7 @@ def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
     generator = torch.Generator().manual_seed(seed)
     samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
     for sample in samples:
-        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        for name in VISUAL_FIELDS:
             value = getattr(sample, name)
             if value is not None:
                 setattr(sample, name, value.to(device, model.dtype if value.is_floating_point() else None))
@@ -107,6 +123,22 @@ def test_packed_equals_per_sample(family, rope):
     apply_rope(model, rope)
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_videos_equal_per_sample(family):
+    """Videos (several temporal patches, so the temporal mRoPE axis advances; Qwen2.5-VL spaced by
+    second_per_grid_ts; Qwen3-VL/3.5 one timestamped block per temporal patch) mixed with images and text in one
+    pack: logits, loss and every gradient equal the per-sample forward+backward (fp32), fused rope."""
+    model = tiny_model(family)
+    apply_rope(model, "fused")
+    enable_packed_forward(model)
+    samples = samples_for(model, VIDEO_PACK, seed=2)
+    positions = pack_samples(model, samples)["position_ids"]
+    video = pack_samples(model, samples)["mm_token_type_ids"][0] == 2
+    assert positions[1, 0, video].unique().numel() > 1, "the temporal axis never moved"
+    report = compare_packed_to_per_sample(model, samples)
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
@@ -429,13 +461,14 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch)
 
 
 def test_samples_from_batch_inverts_pack_samples():
-    """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images and pixels."""
+    """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images, videos and
+    pixels."""
     model = tiny_model("qwen3_vl")
-    samples = samples_for(model, MIXED_PACK)
+    samples = samples_for(model, MIXED_PACK + VIDEO_PACK)
     for original, split in zip(
         samples, samples_from_batch(pack_samples(model, samples), merge_size(model)), strict=True
     ):
-        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):
             expected, got = getattr(original, name), getattr(split, name)
             assert (expected is None and got is None) or torch.equal(expected, got), name
 

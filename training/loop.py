@@ -40,6 +40,8 @@ PADDED_MODEL_KEYS = (
     "mm_token_type_ids",
     "pixel_values",
     "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
 )
 
 
@@ -110,7 +112,7 @@ class TrainModule(nn.Module):
 
     def forward(self, batch: dict) -> torch.Tensor:
         dummy = None
-        if batch.get("pixel_values") is None:
+        if batch.get("pixel_values") is None and batch.get("pixel_values_videos") is None:
             # Text-only pack: the vision tower still runs (on a dummy image, contributing exactly 0), so every
             # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient. It runs
             # first, where a real image would: FSDP2 all-gathers unit by unit, in execution order, on every rank.
@@ -421,8 +423,8 @@ def train(
 
 
 def _grids(batch: dict) -> list[tuple[int, int, int]]:
-    grid = batch.get("image_grid_thw")
-    return [] if grid is None else [tuple(row) for row in grid.tolist()]  # host tensor from the collator
+    grids = [batch.get("image_grid_thw"), batch.get("video_grid_thw")]
+    return [tuple(row) for grid in grids if grid is not None for row in grid.tolist()]  # host tensors (collator)
 
 
 def _log_interval(
