@@ -48,7 +48,8 @@ def _undecoded_images(dataset: Dataset | IterableDataset) -> Dataset | IterableD
 
 
 def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
-    return Path(cache_root) / f"builtin-{data_cfg.seed}-{data_cfg.num_samples}" / "data.jsonl"
+    name = f"builtin-{data_cfg.seed}-{data_cfg.num_samples}-video{data_cfg.video_share:g}"
+    return Path(cache_root) / name / "data.jsonl"
 
 
 def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | IterableDataset, str | None]:
@@ -56,7 +57,7 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
     path = data_cfg.path
     if path == "builtin":
         directory = builtin_path(data_cfg, cache_root).parent
-        path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed))
+        path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share))
     streaming = data_cfg.streaming
     local = os.path.exists(path)
     image_root = data_cfg.image_root or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else None)
