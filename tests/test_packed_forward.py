@@ -487,6 +487,23 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
     assert out.count("\nunfused ") == 2 and "PASS" in out
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
+    """scripts/verify_packing.py on each family's tiny recipe with a video-heavy built-in dataset (frame-list
+    videos through the real pipeline: timestamps, second_per_grid_ts, per-frame patches) passes in fp32, fused
+    rope, and its pack holds videos."""
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=12", "data.video_share=0.7", "packing.max_tokens=384"]
+    status = verify_packing.main(
+        ["--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("fused "))
+    assert int(row[3]) > 0, out  # videos in the pack
+
+
 def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
     """The same CLI exits 1 and names the failing quantities when the packed attention leaks across samples."""
     import training.packed as packed
