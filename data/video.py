@@ -42,7 +42,9 @@ def uses_timestamps(model_config) -> bool:
 
 
 def _is_video_file(value) -> bool:
-    return isinstance(value, str) and os.path.splitext(value)[1].lower() in VIDEO_EXTENSIONS
+    """A path (or {"path": ...}) with a video file's extension."""
+    path = value.get("path") if isinstance(value, Mapping) else value
+    return isinstance(path, str) and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
 
 
 def video_ref(value) -> dict:

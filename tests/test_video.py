@@ -77,6 +77,8 @@ def test_record_layouts_name_the_same_videos():
         "x.mp4",
         "y.MOV",
     ]
+    as_dicts = normalize_record(llava("<video><video>", videos=[{"path": "x.mp4"}, {"path": "y.mp4"}]), "auto")[2]
+    assert [v["path"] for v in as_dicts] == ["x.mp4", "y.mp4"] and not as_dicts[0]["frames"]
     two = normalize_record(llava("<video> <video>", videos=[frames, ["c.png"]]), "auto")[2]
     assert [len(v["frames"]) for v in two] == [2, 1]
     mixed = normalize_record(llava("<image> then <video>", image="i.png", video="v.mp4"), "auto")
