@@ -153,7 +153,7 @@ def _decode_file(ref: Mapping, fps: float, max_frames: int) -> Clip:
                 raise SampleError("corrupt_video", f"{name}: no video stream")
             stream = container.streams.video[0]
             total = stream.frames or sum(1 for _ in container.decode(stream))
-            rate = float(stream.average_rate or stream.guessed_rate or 0) or fps
+            rate = float(stream.average_rate or stream.guessed_rate or 0) or fps  # no rate: as a frame list
             if total == 0:
                 raise SampleError("empty_video", f"{name}: no frames")
             count = min(max(1, round(total / rate * fps)), max_frames, total)
