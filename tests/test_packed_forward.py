@@ -88,10 +88,10 @@ def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
     generator = torch.Generator().manual_seed(seed)
     samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
     for sample in samples:
-        for name in VISUAL_FIELDS:
+        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):  # seconds keep float64: positions are derived from them
             value = getattr(sample, name)
             if value is not None:
-                setattr(sample, name, value.to(device, model.dtype if value.is_floating_point() else None))
+                setattr(sample, name, value.to(device, model.dtype if name.startswith("pixel_values") else None))
     return samples
 
 
@@ -357,6 +357,18 @@ def test_packed_equals_per_sample_bf16_gpu(family):
     model = tiny_model(family, dtype="bfloat16").cuda()
     enable_packed_forward(model)
     specs = (*MIXED_PACK, SampleSpec(200, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(150))
+    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_videos_equal_per_sample_bf16_gpu(family):
+    """On CUDA in bf16, a pack of videos (several temporal patches, timestamps for Qwen3-VL/3.5), images and text
+    equals the per-sample runs within bf16 rounding."""
+    model = tiny_model(family, dtype="bfloat16").cuda()
+    enable_packed_forward(model)
+    specs = (*VIDEO_PACK, SampleSpec(100, ((8, 8),), text_between=20, videos=((4, 8, 8),), text_after=40))
     report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
