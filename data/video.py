@@ -156,7 +156,7 @@ def _decode_file(ref: Mapping, fps: float, max_frames: int) -> Clip:
             rate = float(stream.average_rate or stream.guessed_rate or 0) or fps  # no rate: as a frame list
             if total == 0:
                 raise SampleError("empty_video", f"{name}: no frames")
-            count = min(max(1, round(total / rate * fps)), max_frames, total)
+            count = min(max(1, int(total / rate * fps)), max_frames, total)  # floored, as transformers' samplers
             wanted = uniform_indices(total, count)
             container.seek(0)
             frames = []
