@@ -5,7 +5,8 @@
   string in one record and a list in the next) never break arrow's schema inference.
 - .parquet / .arrow / .csv files and plain directories: `datasets.load_dataset`; `save_to_disk` directories:
   `load_from_disk`; anything else: a hub id (`load_dataset(id, split="train")`, needs network).
-Image columns are read undecoded ({"path","bytes"}) so bad bytes become a counted skip, not a crash in arrow.
+Image and video columns are read undecoded ({"path","bytes"}) so bad bytes become a counted skip, not a crash in
+arrow.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from datasets import Dataset, Image, IterableDataset, List, load_dataset, load_from_disk
+from datasets import Dataset, Image, IterableDataset, List, Video, load_dataset, load_from_disk
 
 from data.config import DataConfig
 from data.processing import RECORD_JSON_COLUMN
@@ -38,12 +39,14 @@ def _json_records(path: str, size: int, mtime_ns: int):
 
 
 def _undecoded_images(dataset: Dataset | IterableDataset) -> Dataset | IterableDataset:
+    """Image and video columns as {"path","bytes"} references: data/ decodes them (videos with its own sampling)."""
     features = dataset.features or {}
     for name, feature in features.items():
-        if isinstance(feature, Image):
-            dataset = dataset.cast_column(name, Image(decode=False))
-        elif isinstance(feature, List) and isinstance(feature.feature, Image):
-            dataset = dataset.cast_column(name, List(Image(decode=False)))
+        for kind in (Image, Video):
+            if isinstance(feature, kind):
+                dataset = dataset.cast_column(name, kind(decode=False))
+            elif isinstance(feature, List) and isinstance(feature.feature, kind):
+                dataset = dataset.cast_column(name, List(kind(decode=False)))
     return dataset
 
 

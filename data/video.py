@@ -42,9 +42,19 @@ def uses_timestamps(model_config) -> bool:
 
 
 def _is_video_file(value) -> bool:
-    """A path (or {"path": ...}) with a video file's extension."""
+    """A path (or {"path": ...}) with a video file's extension, or {"bytes": ...} that is not an image (e.g. a
+    datasets Video column, which holds file bytes)."""
     path = value.get("path") if isinstance(value, Mapping) else value
-    return isinstance(path, str) and os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+    if isinstance(path, str):
+        return os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+    data = value.get("bytes") if isinstance(value, Mapping) else None
+    if not isinstance(data, bytes | bytearray):
+        return False
+    try:
+        Image.open(io.BytesIO(data)).close()  # reads the header only
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return True
+    return False
 
 
 def video_ref(value) -> dict:

@@ -220,3 +220,26 @@ def test_bad_videos_are_counted_skips_and_good_samples_survive(tmp_path, cache):
     expected["corrupt_video"] = 2  # the corrupt frame and the undecodable file
     assert dict(stats.skipped) == expected
     assert "video_too_long=1" in stats.summary()
+
+
+def test_parquet_video_column_of_bytes_trains(tmp_path, cache):
+    """A parquet dataset whose `videos` column is datasets' Video feature holding file bytes is read undecoded and
+    sampled by data/video.py like a file on disk."""
+    from datasets import Dataset, List, Video
+
+    write_mp4(tmp_path / "clip.mp4")
+    row = {
+        "id": "p",
+        **llava("<video> what?"),
+        "videos": [{"path": None, "bytes": (tmp_path / "clip.mp4").read_bytes()}],
+    }
+    Dataset.from_list([row, {**row, "id": "q"}]).cast_column("videos", List(Video())).to_parquet(
+        str(tmp_path / "v.parquet")
+    )
+    cfg, processor, model_config = tiny(
+        "qwen3_vl", cache, f"data.path={tmp_path / 'v.parquet'}", "data.eval_fraction=0"
+    )
+    train, _, stats = build_data(cfg, processor, model_config)
+    assert stats.kept_train == 2 and not stats.skipped
+    batch = next(iter(train))
+    assert batch["video_grid_thw"][:, 0].tolist() == [3, 3]  # 6 frames at 2 fps in 2-frame temporal patches
