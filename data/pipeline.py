@@ -48,7 +48,7 @@ def load_processor(cfg):
 
     Without torchvision, transformers cannot build a Qwen-VL video processor, so AutoProcessor fails for real
     checkpoints; then the family's image-only processor is assembled from the checkpoint's tokenizer, image
-    processor and chat template (the pipeline never uses videos).
+    processor and chat template (videos go through the image processor frame by frame: data/video.py).
     """
     source = cfg.model.processor or cfg.model.name_or_path
     if source is None:

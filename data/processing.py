@@ -198,7 +198,7 @@ class SampleProcessor:
         tokens = []
         # The stamps sit between special tokens, which the tokenizer never merges across: encoding one alone gives
         # the same ids as encoding the processor's whole expanded prompt.
-        for seconds in grid_timestamps(self.processor, clip, self.temporal_patch_size):
+        for seconds in grid_timestamps(clip, self.temporal_patch_size):
             stamp = encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids
             tokens += [*stamp, start, *[self.video_token_id] * per_patch, end]
         return tokens

@@ -279,7 +279,10 @@ def second_per_grid(clip: Clip, temporal_patch_size: int) -> float:
     return temporal_patch_size / clip.sampled_fps
 
 
-def grid_timestamps(processor, clip: Clip, temporal_patch_size: int) -> list[float]:
-    """Seconds of each temporal patch, by the Qwen3-VL processor's own `_calculate_timestamps` (the mean time of
-    the patch's first and last frame; the last index repeated to fill the last patch)."""
-    return processor._calculate_timestamps(list(clip.indices), clip.fps, temporal_patch_size)
+def grid_timestamps(clip: Clip, temporal_patch_size: int) -> list[float]:
+    """Seconds of each temporal patch as Qwen3VLProcessor computes them: the mean time of the patch's first and
+    last frame, the last frame number repeated to fill the last patch (tests check it against the processor's)."""
+    indices = list(clip.indices)
+    indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
+    times = [index / clip.fps for index in indices]
+    return [(times[i] + times[i + temporal_patch_size - 1]) / 2 for i in range(0, len(times), temporal_patch_size)]
