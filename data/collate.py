@@ -12,6 +12,7 @@ import torch
 
 from data.formats import load_image
 from data.processing import IGNORE_INDEX
+from data.video import VideoSettings, load_clip, video_patches
 
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
@@ -19,15 +20,23 @@ TEXT, IMAGE, VIDEO = 0, 1, 2
 class Collator:
     """Builds batches from processed rows (dicts with the columns of processing.PROCESSED_FEATURES).
 
-    Args: image_processor (makes pixel_values; must be the one the rows were processed with), image_kwargs (the
-    pixel-bound overrides used at processing), image_token_id / video_token_id / pad_token_id (the model's ids).
+    Args: image_processor (makes pixel_values and, frame by frame, pixel_values_videos; must be the one the rows
+    were processed with), image_kwargs (the pixel-bound overrides used at processing), image_token_id /
+    video_token_id / pad_token_id (the model's ids), video (the VideoSettings used at processing).
     """
 
     def __init__(
-        self, image_processor, image_kwargs: dict, image_token_id: int, video_token_id: int, pad_token_id: int | None
+        self,
+        image_processor,
+        image_kwargs: dict,
+        image_token_id: int,
+        video_token_id: int,
+        pad_token_id: int | None,
+        video: VideoSettings,
     ):
         self.image_processor = image_processor
         self.image_kwargs = image_kwargs
+        self.video = video
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else 0
@@ -64,6 +73,28 @@ class Collator:
             )
         return out["pixel_values"].float(), stored
 
+    def video_inputs(self, rows: list[dict]) -> dict:
+        """pixel_values_videos (P, C·tp·p·p) float32, video_grid_thw (n_videos, 3) long and second_per_grid_ts
+        (n_videos,) float64, in sample order; or Nones."""
+        refs = [ref for row in rows for ref in row["videos"]]
+        if not refs:
+            return {"pixel_values_videos": None, "video_grid_thw": None, "second_per_grid_ts": None}
+        stored = torch.tensor([grid for row in rows for grid in row["video_grid_thw"]], dtype=torch.long)
+        patches, grids = [], []
+        for ref in refs:
+            clip = load_clip(ref, self.video.fps, self.video.max_frames)
+            pixels, grid = video_patches(self.image_processor, self.video.size_kwargs, clip)
+            patches.append(pixels)
+            grids.append(grid)
+        if not torch.equal(torch.tensor(grids, dtype=torch.long), stored):
+            raise RuntimeError(
+                "video grids differ from the processed dataset's: the image processor, data.video_* settings or the "
+                "video files changed since preprocessing; delete the data cache (data.cache_dir) to reprocess."
+            )
+        # float64 as at processing, so a reference that recomputes positions from it gets the same ones
+        seconds = torch.tensor([s for row in rows for s in row["second_per_grid_ts"]], dtype=torch.float64)
+        return {"pixel_values_videos": torch.cat(patches), "video_grid_thw": stored, "second_per_grid_ts": seconds}
+
     @staticmethod
     def counts(input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict]) -> dict:
         num_image_tokens = int((token_types == IMAGE).sum())
@@ -71,6 +102,7 @@ class Collator:
             "num_label_tokens": int((shift_labels != IGNORE_INDEX).sum()),
             "num_text_tokens": int((token_types == TEXT).sum()),
             "num_image_tokens": num_image_tokens,
+            "num_video_tokens": int((token_types == VIDEO).sum()),
             "num_vision_patches": sum(int(row["num_patches"]) for row in rows),
             "sample_lengths": [int(row["length"]) for row in rows],
         }
@@ -78,7 +110,8 @@ class Collator:
     def packed(self, rows: list[dict]) -> dict:
         """One pack: input_ids (1, T) long, position_ids (4, 1, T) long, shift_labels (1, T) long,
         mm_token_type_ids (1, T) int32, cu_seqlens (n+1,) int32, max_seqlen int, seq_idx (1, T) int32,
-        pixel_values / image_grid_thw, and the Python-int counts."""
+        pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts, and the
+        Python-int counts."""
         parts = [self.sample_arrays(row) for row in rows]
         lengths = [len(p["input_ids"]) for p in parts]
         input_ids = np.concatenate([p["input_ids"] for p in parts])
@@ -96,6 +129,7 @@ class Collator:
             "mm_token_type_ids": torch.from_numpy(token_types.astype(np.int32))[None],
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
+            **self.video_inputs(rows),
             "cu_seqlens": torch.from_numpy(cu_seqlens),
             "max_seqlen": max(lengths),
             "seq_idx": torch.from_numpy(seq_idx)[None],
@@ -105,7 +139,7 @@ class Collator:
     def padded(self, rows: list[dict]) -> dict:
         """B samples right-padded to S = the longest: input_ids (B, S) long, attention_mask (B, S) long,
         position_ids (4, B, S) long (0 on padding), shift_labels (B, S) long (-100 on padding),
-        mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, and the Python-int counts."""
+        mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, the video inputs, and the Python-int counts."""
         parts = [self.sample_arrays(row) for row in rows]
         batch, width = len(parts), max(len(p["input_ids"]) for p in parts)
         input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
@@ -130,5 +164,6 @@ class Collator:
             "mm_token_type_ids": torch.from_numpy(token_types),
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
+            **self.video_inputs(rows),
             **self.counts(input_ids[real], shift_labels[real], token_types[real], rows),
         }

@@ -14,9 +14,14 @@ class DataConfig:
     image_root: str | None = None  # where relative image paths resolve (default: the data file's directory)
     format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
+    video_share: float = 0.2  # share of video samples in the built-in dataset (ignored for other paths)
     eval_fraction: float = 0.02  # held-out share for periodic eval
     min_pixels: int | None = None  # image resize bounds passed to the image processor
     max_pixels: int | None = None
+    video_fps: float = 2.0  # frame lists are taken as sampled at this rate; video files are sampled to it
+    video_max_frames: int = 64  # at most this many frames per video (uniformly subsampled beyond it)
+    video_min_pixels: int | None = None  # per-frame resize bounds (default: data.min_pixels / the image processor's)
+    video_max_pixels: int | None = None  # default: the image bound, capped at 768 LLM tokens per frame
     num_proc: int = 1  # datasets.map workers
     num_workers: int = 2  # processes collating batches (image decode + image processor) ahead of the step; 0 = inline
     streaming: bool = False  # iterate without loading everything in memory
@@ -33,6 +38,15 @@ class DataConfig:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels}).")
+        if not 0.0 <= self.video_share <= 1.0:
+            raise ConfigError(f"data.video_share must be in [0, 1], got {self.video_share}.")
+        if self.video_fps <= 0:
+            raise ConfigError(f"data.video_fps must be > 0, got {self.video_fps}.")
+        if self.video_max_frames < 1:
+            raise ConfigError(f"data.video_max_frames must be >= 1, got {self.video_max_frames}.")
+        low, high = self.video_min_pixels, self.video_max_pixels
+        if low is not None and high is not None and low > high:
+            raise ConfigError(f"data.video_min_pixels ({low}) > data.video_max_pixels ({high}).")
 
 
 @dataclass

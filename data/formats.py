@@ -1,8 +1,9 @@
 """Record layouts → one canonical conversation, and image references → PIL images.
 
 Canonical form: `messages` = [{"role": "system"|"user"|"assistant", "content": [{"type": "image"} |
-{"type": "text", "text": str}]}] plus `images`, the image references in placeholder order. Image references are
-{"path": str | None, "bytes": bytes | None} dicts (the layout of `datasets.Image(decode=False)`).
+{"type": "video"} | {"type": "text", "text": str}]}] plus `images` and `videos`, the references in placeholder
+order. Image references are {"path": str | None, "bytes": bytes | None} dicts (the layout of
+`datasets.Image(decode=False)`); video references are data/video.py's.
 
 Bad records raise `SampleError(reason, detail)`; the pipeline counts them by reason (see SKIP_REASONS).
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Mapping
 
 from PIL import Image, UnidentifiedImageError
@@ -20,12 +22,20 @@ SKIP_REASONS = (
     "missing_image",
     "corrupt_image",
     "image_count_mismatch",
+    "missing_video",
+    "corrupt_video",
+    "empty_video",
+    "video_frame_size_mismatch",
+    "video_count_mismatch",
+    "video_too_long",
     "no_assistant_turn",
     "empty_text",
     "too_long",
 )
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
+VIDEO_PLACEHOLDER = "<video>"
+PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 class SampleError(Exception):
@@ -74,29 +84,48 @@ def _text_item(text: str) -> dict:
 
 
 def _split_placeholders(text: str) -> list[dict]:
-    """'a <image> b' → [text a, image, text b]; empty text pieces dropped."""
+    """'a <image> b <video>' → [text a, image, text b, video]; empty text pieces dropped."""
     items: list[dict] = []
-    for index, piece in enumerate(text.split(IMAGE_PLACEHOLDER)):
-        if index > 0:
+    for piece in PLACEHOLDER_SPLIT.split(text):
+        if piece == IMAGE_PLACEHOLDER:
             items.append({"type": "image"})
-        if piece.strip():
+        elif piece == VIDEO_PLACEHOLDER:
+            items.append({"type": "video"})
+        elif piece.strip():
             items.append(_text_item(piece))
     return items
 
 
-def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict]]:
+def _count(messages: list[dict], kind: str) -> int:
+    return sum(item["type"] == kind for m in messages for item in m["content"])
+
+
+def _record_videos(record: Mapping, messages: list[dict]) -> list[dict]:
+    from data.video import record_videos  # imported here: data.video builds on this module (a cycle at import)
+
+    return record_videos(record.get("videos", record.get("video")), _count(messages, "video"))
+
+
+def _inline_video(payload) -> list[dict]:
+    from data.video import video_ref
+
+    return [video_ref(payload)]
+
+
+def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
     messages = []
     for turn in record["conversations"]:
         role = LLAVA_ROLES.get(str(turn.get("from", "")).lower())
         if role is None:
             raise SampleError("unknown_format", f"turn role {turn.get('from')!r} is not one of {sorted(LLAVA_ROLES)}")
         messages.append({"role": role, "content": _split_placeholders(str(turn.get("value") or ""))})
-    return messages, _record_images(record)
+    return messages, _record_images(record), _record_videos(record, messages)
 
 
-def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict]]:
-    """Messages-style records: content a string or a list of items; images inline in items or in `images`."""
-    messages, inline_images = [], []
+def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
+    """Messages-style records: content a string or a list of items; images and videos inline in items or in
+    `images` / `videos` (or `image` / `video`)."""
+    messages, inline_images, inline_videos = [], [], []
     for message in record["messages"]:
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
@@ -115,27 +144,37 @@ def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict]]:
                     payload = item.get("image") or item.get("url") or item.get("path")
                     if payload is not None:
                         inline_images.append(image_ref(payload))
-                elif kind not in ("text", "image"):
-                    raise SampleError("unknown_format", f"content item type {kind!r} (only text and image)")
+                elif kind == "video" or (kind is None and item.get("video") is not None):
+                    items.append({"type": "video"})
+                    payload = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
+                    if payload is not None:
+                        inline_videos += _inline_video(payload)
+                elif kind not in ("text", "image", "video"):
+                    raise SampleError("unknown_format", f"content item type {kind!r} (only text, image and video)")
         messages.append({"role": role, "content": items})
-    return messages, inline_images or _record_images(record)
+    return messages, inline_images or _record_images(record), inline_videos or _record_videos(record, messages)
 
 
-def normalize_record(record: Mapping, data_format: str) -> tuple[list[dict], list[dict]]:
-    """(messages, images) of a record; checks placeholders match images and there is an assistant turn with text.
+def normalize_record(record: Mapping, data_format: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(messages, images, videos) of a record; checks placeholders match images and videos and there is an
+    assistant turn with text.
 
     `data_format`: 'auto', 'llava' or 'messages'.
     """
     layout = detect_format(record) if data_format == "auto" else data_format
     if layout == "llava" and "conversations" in record:
-        messages, images = normalize_llava(record)
+        messages, images, videos = normalize_llava(record)
     elif layout == "messages" and "messages" in record:
-        messages, images = normalize_messages(record)
+        messages, images, videos = normalize_messages(record)
     else:
         raise SampleError("unknown_format", f"record is not in {layout!r} format (keys {sorted(record)})")
-    placeholders = sum(item["type"] == "image" for m in messages for item in m["content"])
+    placeholders = _count(messages, "image")
     if placeholders != len(images):
         raise SampleError("image_count_mismatch", f"{placeholders} image placeholders but {len(images)} images")
+    if _count(messages, "video") != len(videos):
+        raise SampleError(
+            "video_count_mismatch", f"{_count(messages, 'video')} video placeholders, {len(videos)} videos"
+        )
     if not any(m["role"] == "assistant" for m in messages):
         raise SampleError("no_assistant_turn", "the conversation has no assistant turn to learn from")
     for index, message in enumerate(messages):
@@ -143,7 +182,7 @@ def normalize_record(record: Mapping, data_format: str) -> tuple[list[dict], lis
             raise SampleError("empty_text", f"turn {index} ({message['role']}) is empty")
     if not any(item["type"] == "text" for m in messages if m["role"] == "assistant" for item in m["content"]):
         raise SampleError("empty_text", "no assistant turn has text")
-    return messages, images
+    return messages, images, videos
 
 
 def resolve_ref(ref: Mapping, image_root: str | None) -> dict:

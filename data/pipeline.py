@@ -29,10 +29,11 @@ from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whol
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
 from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
+from data.video import VideoSettings
 from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
-PROCESSING_VERSION = 1  # bump when processing output changes, to invalidate cached datasets
+PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
 DEFAULT_CACHE_ROOT = ".cache"
 SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
@@ -47,7 +48,7 @@ def load_processor(cfg):
 
     Without torchvision, transformers cannot build a Qwen-VL video processor, so AutoProcessor fails for real
     checkpoints; then the family's image-only processor is assembled from the checkpoint's tokenizer, image
-    processor and chat template (the pipeline never uses videos).
+    processor and chat template (videos go through the image processor frame by frame: data/video.py).
     """
     source = cfg.model.processor or cfg.model.name_or_path
     if source is None:
@@ -101,6 +102,7 @@ def processing_fingerprint(cfg, processor, model_config: PretrainedConfig, sourc
         "version": PROCESSING_VERSION,
         "source": source_fingerprint,
         "data": [cfg.data.path, cfg.data.image_root, cfg.data.format, cfg.data.min_pixels, cfg.data.max_pixels],
+        "video": [cfg.data.video_fps, cfg.data.video_max_frames, cfg.data.video_min_pixels, cfg.data.video_max_pixels],
         "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
         "chat_template": processor.chat_template,
         "image_processor": processor.image_processor.to_json_string(),
@@ -271,9 +273,11 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
         return None
     if row["length"] > max_tokens:
         detail = f"{row['length']} tokens > packing.max_tokens {max_tokens}"
+        # A video sample over budget is one with too many frames for the pack (data.video_max_frames / pixels).
+        reason = "video_too_long" if row["video_grid_thw"] else "too_long"
         if raise_errors:
-            raise ValueError(f"sample {row['sample_id']}: too_long: {detail} (data.on_error=skip skips it)")
-        stats.skip("too_long", row["sample_id"], detail)
+            raise ValueError(f"sample {row['sample_id']}: {reason}: {detail} (data.on_error=skip skips it)")
+        stats.skip(reason, row["sample_id"], detail)
         return None
     return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))
 
@@ -289,7 +293,8 @@ def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerp
         desc="processing samples",
     )
     stats.records = len(processed)
-    meta = processed.select_columns(["sample_id", "skip_reason", "skip_detail", "length", "num_patches"])
+    columns = ["sample_id", "skip_reason", "skip_detail", "length", "num_patches", "video_grid_thw"]
+    meta = processed.select_columns(columns)
     splits: dict[bool, list[int]] = {False: [], True: []}
     raise_errors = cfg.data.on_error == "raise"
     for index, row in enumerate(meta):
@@ -356,6 +361,7 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     samples, in steps of one batch per rank. stats: DataStats (records, kept per split, skipped per reason).
     """
     records, image_root = open_records(cfg.data, cache_root(cfg))
+    video = VideoSettings.from_config(cfg.data, processor.image_processor)
     sample_processor = SampleProcessor(
         processor,
         model_config,
@@ -363,6 +369,7 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
         image_root=image_root,
         min_pixels=cfg.data.min_pixels,
         max_pixels=cfg.data.max_pixels,
+        video=video,
         raise_errors=cfg.data.on_error == "raise",
     )
     stats = DataStats()
@@ -378,6 +385,7 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
         image_token_id=model_config.image_token_id,
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
+        video=video,
     )
     collate = collator.packed if cfg.packing.mode == "packed" else collator.padded
     common = {"fetch": fetch, "collate": collate, "packing_cfg": cfg.packing, "rank": rank, "world_size": world_size}

@@ -1,9 +1,11 @@
-"""One record → one training sample: chat template, image grids, assistant-only labels, per-sample positions.
+"""One record → one training sample: chat template, image and video grids, assistant-only labels, positions.
 
 `SampleProcessor(record, index)` returns a flat dict (the columns of PROCESSED_FEATURES) so it can run inside
 `datasets.map(num_proc=…)`, cached; a bad record comes back with `skip_reason` set instead of raising.
-Pixel values are not stored (a few MB per image); the collator recomputes them from `images`, which the image
-processor does deterministically, and checks the grid matches the one stored here.
+Pixel values are not stored (a few MB per image); the collator recomputes them from `images` and `videos`, which
+the image processor (and the deterministic frame sampling of data/video.py) does identically, and checks the grids
+match the ones stored here. A video's placeholder expands as the family's processor expands it: Qwen2/2.5-VL one
+run of video tokens; Qwen3-VL/3.5 per temporal patch "<t seconds>" + vision_start + its tokens + vision_end.
 """
 
 from __future__ import annotations
@@ -15,8 +17,18 @@ import torch
 from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
+from data.config import DataConfig
 from data.formats import SampleError, load_image, normalize_record, resolve_ref
 from data.positions import rope_index_fn
+from data.video import (
+    VideoSettings,
+    grid_timestamps,
+    load_clip,
+    resolve_video,
+    second_per_grid,
+    uses_timestamps,
+    video_grid,
+)
 
 IGNORE_INDEX = -100
 RECORD_JSON_COLUMN = "__record_json__"  # JSON files are read as one JSON string per record (schema-free)
@@ -31,8 +43,17 @@ PROCESSED_FEATURES = Features(
         "mrope_positions": List(List(Value("int32"))),  # (3, L) from the model's get_rope_index on this sample
         "image_grid_thw": List(List(Value("int32"))),  # (n_images, 3)
         "images": List({"path": Value("string"), "bytes": Value("binary")}),  # resolved references, in order
+        "video_grid_thw": List(List(Value("int32"))),  # (n_videos, 3)
+        "videos": List(  # resolved video references (data/video.py), in order
+            {
+                "path": Value("string"),
+                "bytes": Value("binary"),
+                "frames": List({"path": Value("string"), "bytes": Value("binary")}),
+            }
+        ),
+        "second_per_grid_ts": List(Value("float64")),  # (n_videos,) seconds per temporal patch
         "length": Value("int32"),  # L
-        "num_patches": Value("int32"),  # ViT patches of all images (before the merger)
+        "num_patches": Value("int32"),  # ViT patches of all images and videos (before the merger)
     }
 )
 
@@ -57,6 +78,9 @@ def _skipped(sample_id: str, error: SampleError) -> dict:
         "mrope_positions": [],
         "image_grid_thw": [],
         "images": [],
+        "video_grid_thw": [],
+        "videos": [],
+        "second_per_grid_ts": [],
         "length": 0,
         "num_patches": 0,
     }
@@ -80,7 +104,8 @@ class SampleProcessor:
 
     Args: processor (a Qwen-VL processor: tokenizer, image_processor, chat template), model_config (the HF config;
     its get_rope_index makes the positions), data_format ('auto'|'llava'|'messages'), image_root (for relative
-    paths), min_pixels / max_pixels (image bounds; None keeps the processor's), raise_errors (on_error: raise).
+    paths), min_pixels / max_pixels (image bounds; None keeps the processor's), video (VideoSettings; None: the
+    defaults of data.config.DataConfig), raise_errors (on_error: raise).
     """
 
     def __init__(
@@ -91,6 +116,7 @@ class SampleProcessor:
         image_root: str | None = None,
         min_pixels: int | None = None,
         max_pixels: int | None = None,
+        video: VideoSettings | None = None,
         raise_errors: bool = False,
     ):
         self.processor = processor
@@ -98,10 +124,15 @@ class SampleProcessor:
         self.data_format = data_format
         self.image_root = image_root
         self.image_kwargs = image_size_kwargs(processor.image_processor, min_pixels, max_pixels)
+        defaults = DataConfig(min_pixels=min_pixels, max_pixels=max_pixels)
+        self.video = video or VideoSettings.from_config(defaults, processor.image_processor)
         self.raise_errors = raise_errors
         self.tokenizer = processor.tokenizer
         self.image_token_id = model_config.image_token_id
+        self.video_token_id = model_config.video_token_id
         self.merge_size = model_config.vision_config.spatial_merge_size
+        self.temporal_patch_size = processor.image_processor.temporal_patch_size
+        self.timestamps = uses_timestamps(model_config)
         self._rope_index = None  # built lazily in each worker (not pickled)
 
     def __getstate__(self) -> dict:
@@ -119,17 +150,27 @@ class SampleProcessor:
             return _skipped(sample_id, error)
 
     def process(self, record: Mapping, sample_id: str) -> dict:
-        messages, refs = normalize_record(record, self.data_format)
+        messages, refs, video_refs = normalize_record(record, self.data_format)
         refs = [resolve_ref(ref, self.image_root) for ref in refs]
         images = [load_image(ref) for ref in refs]
         grids = self.image_grids(images)
-        input_ids, labels = self.tokenize(messages, grids)
+        video_refs = [resolve_video(ref, self.image_root) for ref in video_refs]
+        clips = [load_clip(ref, self.video.fps, self.video.max_frames) for ref in video_refs]
+        video_grids = [video_grid(self.processor.image_processor, self.video.size_kwargs, clip) for clip in clips]
+        seconds = [second_per_grid(clip, self.temporal_patch_size) for clip in clips]
+        expansions = [self.video_tokens(clip, grid) for clip, grid in zip(clips, video_grids, strict=True)]
+        input_ids, labels = self.tokenize(messages, grids, expansions)
         ids = torch.tensor(input_ids, dtype=torch.long)[None]
-        token_types = (ids == self.image_token_id).int()
-        grid_tensor = torch.tensor(grids, dtype=torch.long) if grids else None
+        token_types = (ids == self.image_token_id).int() + 2 * (ids == self.video_token_id).int()
         if self._rope_index is None:
             self._rope_index = rope_index_fn(self.model_config)
-        positions = self._rope_index(ids, token_types, grid_tensor)
+        positions = self._rope_index(
+            ids,
+            token_types,
+            torch.tensor(grids, dtype=torch.long) if grids else None,
+            torch.tensor(video_grids, dtype=torch.long) if video_grids else None,
+            torch.tensor(seconds, dtype=torch.float64) if seconds else None,
+        )
         return {
             "sample_id": sample_id,
             "skip_reason": "",
@@ -139,9 +180,28 @@ class SampleProcessor:
             "mrope_positions": positions.tolist(),
             "image_grid_thw": grids,
             "images": refs,
+            "video_grid_thw": video_grids,
+            "videos": video_refs,
+            "second_per_grid_ts": seconds,
             "length": len(input_ids),
-            "num_patches": sum(t * h * w for t, h, w in grids),
+            "num_patches": sum(t * h * w for t, h, w in grids + video_grids),
         }
+
+    def video_tokens(self, clip, grid: list[int]) -> list[int]:
+        """The token ids a video's placeholder token expands to, as the family's processor writes them."""
+        t, h, w = grid
+        per_patch = h * w // self.merge_size**2
+        if not self.timestamps:
+            return [self.video_token_id] * (t * per_patch)
+        encode = self.tokenizer.backend_tokenizer.encode
+        start, end = self.model_config.vision_start_token_id, self.model_config.vision_end_token_id
+        tokens = []
+        # The stamps sit between special tokens, which the tokenizer never merges across: encoding one alone gives
+        # the same ids as encoding the processor's whole expanded prompt.
+        for seconds in grid_timestamps(clip, self.temporal_patch_size):
+            stamp = encode(f"<{seconds:.1f} seconds>", add_special_tokens=False).ids
+            tokens += [*stamp, start, *[self.video_token_id] * per_patch, end]
+        return tokens
 
     def image_grids(self, images: list) -> list[list[int]]:
         """(t, h, w) patch grid per image, from the image processor's own resize rule (smart_resize) without
@@ -192,20 +252,32 @@ class SampleProcessor:
         segments.append((full[cursor:], False))
         return [(text, trained) for text, trained in segments if text]
 
-    def tokenize(self, messages: list[dict], grids: list[list[int]]) -> tuple[list[int], list[int]]:
-        """(input_ids, labels), each (L,), with every image placeholder expanded to its LLM token count."""
+    def tokenize(
+        self, messages: list[dict], grids: list[list[int]], videos: list[list[int]] = ()
+    ) -> tuple[list[int], list[int]]:
+        """(input_ids, labels), each (L,), with every image placeholder expanded to its LLM token count and every
+        video placeholder to its token ids in `videos` (one list per video, `video_tokens`)."""
         segments = self.render_segments(messages)
         backend = self.tokenizer.backend_tokenizer  # one call per piece: encode_batch's thread pool costs more here
         encoded = [backend.encode(text, add_special_tokens=False).ids for text, _ in segments]
         tokens_per_image = iter(t * h * w // self.merge_size**2 for t, h, w in grids)
+        video_ids = iter(videos)
         input_ids, labels = [], []
         for (_, trained), ids in zip(segments, encoded, strict=True):
             for token in ids:
-                count = next(tokens_per_image, None) if token == self.image_token_id else 1
-                if count is None:
-                    raise SampleError("image_count_mismatch", "the template produced more image tokens than images")
-                input_ids += [token] * count
-                labels += [token if trained else IGNORE_INDEX] * count
+                if token == self.video_token_id:
+                    expanded = next(video_ids, None)
+                    if expanded is None:
+                        raise SampleError("video_count_mismatch", "the template produced more video tokens than videos")
+                else:
+                    count = next(tokens_per_image, None) if token == self.image_token_id else 1
+                    if count is None:
+                        raise SampleError("image_count_mismatch", "the template produced more image tokens than images")
+                    expanded = [token] * count
+                input_ids += expanded
+                labels += expanded if trained else [IGNORE_INDEX] * len(expanded)
         if next(tokens_per_image, None) is not None:
             raise SampleError("image_count_mismatch", "the template produced fewer image tokens than images")
+        if next(video_ids, None) is not None:
+            raise SampleError("video_count_mismatch", "the template produced fewer video tokens than videos")
         return input_ids, labels

@@ -5,7 +5,8 @@
   string in one record and a list in the next) never break arrow's schema inference.
 - .parquet / .arrow / .csv files and plain directories: `datasets.load_dataset`; `save_to_disk` directories:
   `load_from_disk`; anything else: a hub id (`load_dataset(id, split="train")`, needs network).
-Image columns are read undecoded ({"path","bytes"}) so bad bytes become a counted skip, not a crash in arrow.
+Image and video columns are read undecoded ({"path","bytes"}) so bad bytes become a counted skip, not a crash in
+arrow.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import json
 import os
 from pathlib import Path
 
-from datasets import Dataset, Image, IterableDataset, List, load_dataset, load_from_disk
+from datasets import Dataset, Image, IterableDataset, List, Video, load_dataset, load_from_disk
 
 from data.config import DataConfig
 from data.processing import RECORD_JSON_COLUMN
@@ -38,17 +39,20 @@ def _json_records(path: str, size: int, mtime_ns: int):
 
 
 def _undecoded_images(dataset: Dataset | IterableDataset) -> Dataset | IterableDataset:
+    """Image and video columns as {"path","bytes"} references: data/ decodes them (videos with its own sampling)."""
     features = dataset.features or {}
     for name, feature in features.items():
-        if isinstance(feature, Image):
-            dataset = dataset.cast_column(name, Image(decode=False))
-        elif isinstance(feature, List) and isinstance(feature.feature, Image):
-            dataset = dataset.cast_column(name, List(Image(decode=False)))
+        for kind in (Image, Video):
+            if isinstance(feature, kind):
+                dataset = dataset.cast_column(name, kind(decode=False))
+            elif isinstance(feature, List) and isinstance(feature.feature, kind):
+                dataset = dataset.cast_column(name, List(kind(decode=False)))
     return dataset
 
 
 def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
-    return Path(cache_root) / f"builtin-{data_cfg.seed}-{data_cfg.num_samples}" / "data.jsonl"
+    name = f"builtin-{data_cfg.seed}-{data_cfg.num_samples}-video{data_cfg.video_share:g}"
+    return Path(cache_root) / name / "data.jsonl"
 
 
 def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | IterableDataset, str | None]:
@@ -56,7 +60,7 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
     path = data_cfg.path
     if path == "builtin":
         directory = builtin_path(data_cfg, cache_root).parent
-        path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed))
+        path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share))
     streaming = data_cfg.streaming
     local = os.path.exists(path)
     image_root = data_cfg.image_root or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else None)

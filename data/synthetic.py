@@ -1,12 +1,15 @@
-"""The built-in dataset: seeded, deterministic synthetic images with questions a tiny model can learn.
+"""The built-in dataset: seeded, deterministic synthetic images and videos with questions a tiny model can learn.
 
-Every answer is determined by the image(s) or the question and uses a handful of fixed templates, so a tiny model's
-loss falls well below its starting value within a few hundred steps. Image sizes and aspect ratios vary, so samples
-have different image-token counts (which is what packing has to cope with).
+Every answer is determined by the image(s), the video or the question and uses a handful of fixed templates, so a
+tiny model's loss falls well below its starting value within a few hundred steps. Image sizes and aspect ratios
+vary, so samples have different image-token counts (which is what packing has to cope with). Videos are short
+frame lists of a shape moving across the frame (which way it moves is the answer, so the temporal order matters),
+some paired with an image in the same record.
 
-`write_builtin_dataset(directory, num_samples, seed)` writes `images/*.png` and `data.jsonl` in LLaVA/ShareGPT form
-(`conversations` with `from`/`value`, `<image>` placeholders, `image` a path or a list of paths), so the built-in
-dataset goes through exactly the same loader as user data.
+`write_builtin_dataset(directory, num_samples, seed, video_share)` writes `images/*.png` and `data.jsonl` in
+LLaVA/ShareGPT form (`conversations` with `from`/`value`, `<image>` / `<video>` placeholders, `image` a path or a
+list of paths, `video` a list of frame paths), so the built-in dataset goes through exactly the same loader as
+user data.
 """
 
 from __future__ import annotations
@@ -38,6 +41,16 @@ IMAGE_SIZES = ((112, 112), (168, 112), (112, 196), (224, 224), (280, 168), (168,
 IMAGE_KINDS = ("count", "color", "position", "text", "caption", "multi_count", "multi_color", "multi_turn")
 KIND_WEIGHTS = (3, 3, 2, 2, 2, 1, 1, 1)
 TEXT_ONLY_SHARE = 0.15
+VIDEO_SHARE = 0.2  # default share of video samples (data.video_share)
+VIDEO_KINDS = ("direction", "direction_and_image")
+DIRECTIONS = {  # (start, end) of the centre in fractions of the frame
+    "from left to right": ((0.2, 0.5), (0.8, 0.5)),
+    "from right to left": ((0.8, 0.5), (0.2, 0.5)),
+    "from top to bottom": ((0.5, 0.2), (0.5, 0.8)),
+    "from bottom to top": ((0.5, 0.8), (0.5, 0.2)),
+}
+VIDEO_SIZES = ((112, 112), (168, 112), (112, 168), (224, 168))  # with patch 14, merge 2: 16-48 tokens per 2 frames
+VIDEO_FRAMES = (3, 4, 5, 6, 8)  # odd counts too: the last temporal patch repeats the last frame
 
 
 @dataclass
@@ -60,10 +73,12 @@ class Scene:
 
 @dataclass
 class SyntheticSample:
-    """A conversation (alternating human/gpt turns, `<image>` placeholders) and the scenes its images show."""
+    """A conversation (alternating human/gpt turns, `<image>` / `<video>` placeholders), the scenes its images show
+    and, per video, the scenes of its frames."""
 
     turns: list[tuple[str, str]]
     scenes: list[Scene]
+    videos: list[list[Scene]] = field(default_factory=list)
 
 
 def _plural(noun: str, count: int) -> str:
@@ -162,12 +177,47 @@ def _text_only(rng: random.Random) -> SyntheticSample:
     return SyntheticSample([("human", f"Spell the word {word}."), ("gpt", " ".join(word.upper()) + ".")], [])
 
 
-def generate_samples(num_samples: int, seed: int) -> list[SyntheticSample]:
-    """The conversations and scenes of the built-in dataset (no pixels drawn); same (num_samples, seed), same list."""
+def _moving_shape(rng: random.Random) -> tuple[list[Scene], Shape, str]:
+    """Frames of one shape moving in a straight line; (frames, the shape in the first frame, the direction)."""
+    size, background = rng.choice(VIDEO_SIZES), rng.choice(list(BACKGROUNDS))
+    direction = rng.choice(list(DIRECTIONS))
+    (x0, y0), (x1, y1) = DIRECTIONS[direction]
+    kind, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.choice(VIDEO_FRAMES)
+    radius = max(6, int(min(size) * 0.12))
+    frames = []
+    for i in range(count):
+        f = i / (count - 1)
+        center = (int(size[0] * (x0 + f * (x1 - x0))), int(size[1] * (y0 + f * (y1 - y0))))
+        frames.append(Scene(size, background, [Shape(kind, color, center, radius)]))
+    return frames, frames[0].shapes[0], direction
+
+
+def _video_question(rng: random.Random, kind: str) -> SyntheticSample:
+    """One video-grounded conversation of the given kind."""
+    frames, shape, direction = _moving_shape(rng)
+    if kind == "direction":
+        question = f"<video>\nWhich way does the {shape.color} {shape.kind} move?"
+        return SyntheticSample([("human", question), ("gpt", f"It moves {direction}.")], [], [frames])
+    if kind == "direction_and_image":
+        scene = _random_scene(rng)
+        color = rng.choice([shape.color, rng.choice(list(COLORS))])
+        scene.shapes = _place_shapes(rng, scene.size, 1, shape.kind, color)
+        same = "the same colour" if color == shape.color else "a different colour"
+        question = f"<image>\n<video>\nIs the moving {shape.kind} the colour of the one in the image?"
+        answer = f"It is {same}; it moves {direction}."
+        return SyntheticSample([("human", question), ("gpt", answer)], [scene], [frames])
+    raise ValueError(f"unknown synthetic video kind {kind!r}; expected one of {VIDEO_KINDS}.")
+
+
+def generate_samples(num_samples: int, seed: int, video_share: float = VIDEO_SHARE) -> list[SyntheticSample]:
+    """The conversations and scenes of the built-in dataset (no pixels drawn); same arguments, same list."""
     rng = random.Random(seed)
     samples = []
     for _ in range(num_samples):
-        if rng.random() < TEXT_ONLY_SHARE:
+        draw = rng.random()
+        if draw < video_share:
+            samples.append(_video_question(rng, rng.choice(VIDEO_KINDS)))
+        elif draw < video_share + TEXT_ONLY_SHARE * (1 - video_share):
             samples.append(_text_only(rng))
         else:
             samples.append(_image_question(rng, rng.choices(IMAGE_KINDS, KIND_WEIGHTS)[0]))
@@ -198,17 +248,26 @@ def draw_scene(scene: Scene) -> Image.Image:
     return image
 
 
-def to_llava_record(index: int, sample: SyntheticSample, image_paths: list[str]) -> dict:
-    """A LLaVA/ShareGPT record: `image` is a path (one image), a list (several), or absent (text only)."""
+def to_llava_record(
+    index: int, sample: SyntheticSample, image_paths: list[str], video_frames: list[list[str]] = ()
+) -> dict:
+    """A LLaVA/ShareGPT record: `image` is a path (one image), a list (several), or absent (text only); `video`
+    is one video's frame list, a list of frame lists (several), or absent."""
     record = {"id": f"builtin-{index:06d}", "conversations": [{"from": r, "value": v} for r, v in sample.turns]}
     if len(image_paths) == 1:
         record["image"] = image_paths[0]
     elif image_paths:
         record["image"] = image_paths
+    if len(video_frames) == 1:
+        record["video"] = video_frames[0]
+    elif video_frames:
+        record["video"] = list(video_frames)
     return record
 
 
-def write_builtin_dataset(directory: str | os.PathLike, num_samples: int, seed: int) -> Path:
+def write_builtin_dataset(
+    directory: str | os.PathLike, num_samples: int, seed: int, video_share: float = VIDEO_SHARE
+) -> Path:
     """Write the built-in dataset (images/ + data.jsonl) into `directory` unless it is already there.
 
     Returns the path of data.jsonl. Written into a temporary sibling and renamed, so a crash never leaves a
@@ -222,13 +281,18 @@ def write_builtin_dataset(directory: str | os.PathLike, num_samples: int, seed: 
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "images").mkdir(parents=True)
     with open(staging / "data.jsonl", "w") as out:
-        for index, sample in enumerate(generate_samples(num_samples, seed)):
+        for index, sample in enumerate(generate_samples(num_samples, seed, video_share)):
             paths = []
             for image_index, scene in enumerate(sample.scenes):
                 relative = f"images/{index:06d}_{image_index}.png"
                 draw_scene(scene).save(staging / relative, optimize=False, compress_level=1)
                 paths.append(relative)
-            out.write(json.dumps(to_llava_record(index, sample, paths)) + "\n")
+            videos = []
+            for video_index, frames in enumerate(sample.videos):
+                videos.append([f"images/{index:06d}_v{video_index}_{i}.png" for i in range(len(frames))])
+                for relative, scene in zip(videos[-1], frames, strict=True):
+                    draw_scene(scene).save(staging / relative, optimize=False, compress_level=1)
+            out.write(json.dumps(to_llava_record(index, sample, paths, videos)) + "\n")
     try:
         staging.rename(directory)
     except OSError:  # another process finished first; its copy is identical
@@ -241,5 +305,10 @@ def write_builtin_dataset(directory: str | os.PathLike, num_samples: int, seed: 
 def corpus_texts(num_samples: int = 4000, seed: int = 1234) -> list[str]:
     """Conversation texts of the generator plus the chat template's fixed words, to train the tiny tokenizer on."""
     template_words = ["system\nYou are a helpful assistant.", "user\n", "assistant\n"] * 200
-    turns = [text.replace("<image>", "") for sample in generate_samples(num_samples, seed) for _, text in sample.turns]
-    return template_words + turns
+    turns = [
+        text.replace("<image>", "").replace("<video>", "")
+        for sample in generate_samples(num_samples, seed)
+        for _, text in sample.turns
+    ]
+    stamps = [f"<{tenths / 10:.1f} seconds>" for tenths in range(100)]  # Qwen3-VL/3.5 video timestamps
+    return template_words + turns + stamps

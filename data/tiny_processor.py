@@ -2,7 +2,8 @@
 
 The processor classes are the image-only ones of data/image_only_processor.py (no torchvision needed); a saved tiny
 processor carries that file, so it loads with `AutoProcessor.from_pretrained(dir, trust_remote_code=True)`
-anywhere, and without the flag in a process that imported this package. The pipeline uses images only.
+anywhere, and without the flag in a process that imported this package. Videos go through the image processor
+frame by frame (data/video.py); the chat template renders them as the Qwen templates do.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ QWEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# The Qwen2-VL chat template (system default, images as <|vision_start|><|image_pad|><|vision_end|>).
+# The Qwen2-VL chat template (system default, images as <|vision_start|><|image_pad|><|vision_end|>, videos as
+# <|vision_start|><|video_pad|><|vision_end|>).
 QWEN_CHAT_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
@@ -36,6 +38,7 @@ QWEN_CHAT_TEMPLATE = (
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% endfor %}"
@@ -43,6 +46,7 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 TINY_MIN_TOKENS, TINY_MAX_TOKENS = 16, 256  # LLM tokens per image after the 2x2 merge
+TINY_PROCESSOR_VERSION = 2  # part of the cache directory's name: bump when the template or tokenizer changes
 
 
 PROCESSOR_FOR_MODEL_TYPE = {
@@ -112,7 +116,10 @@ def tiny_processor_dir(cache_root: str | os.PathLike, model_config: PretrainedCo
     """Where the tiny processor for this family and vision geometry is cached."""
     patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
     name = PROCESSOR_FOR_MODEL_TYPE[model_config.model_type].__name__
-    return Path(cache_root) / f"tiny-processor-{name}-p{patch_size}m{merge_size}t{temporal_patch_size}"
+    return (
+        Path(cache_root)
+        / f"tiny-processor-v{TINY_PROCESSOR_VERSION}-{name}-p{patch_size}m{merge_size}t{temporal_patch_size}"
+    )
 
 
 def load_or_build_tiny_processor(cache_root: str | os.PathLike, model_config: PretrainedConfig):

@@ -35,6 +35,8 @@ correctness_and_kernels() {
   for family in qwen2_vl qwen2_5_vl qwen3_vl qwen3_vl_moe qwen3_5 qwen3_5_moe; do
     step "verify_packing_$family" 60 $PY scripts/verify_packing.py --config "recipes/tiny-$family.yaml" \
       model.dtype=bfloat16
+    step "verify_packing_video_$family" 60 $PY scripts/verify_packing.py --config "recipes/tiny-$family.yaml" \
+      model.dtype=bfloat16 data.video_share=0.7 data.num_samples=200
   done
   step bench_packing 150 $PY scripts/bench_packing.py --out "$OUT/bench_packing.json"
 }
@@ -44,8 +46,10 @@ training_runs() {
   step train_3b_shape 280 $PY train.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml data.num_workers=8
   step profile_3b_shape 150 $PY scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
     --out "$OUT/profile_3b_shape" data.num_samples=600 data.num_workers=8
+  step train_3b_video 300 $PY train.py --config recipes/bench-qwen2_5_vl-3b-video.yaml data.num_workers=8
   cp runs/smoke/summary.json "$OUT/smoke_summary.json" 2>/dev/null
   cp runs/bench-qwen2_5_vl-3b-shape/summary.json "$OUT/train_3b_shape_summary.json" 2>/dev/null
+  cp runs/bench-qwen2_5_vl-3b-video/summary.json "$OUT/train_3b_video_summary.json" 2>/dev/null
 }
 
 : >"$OUT/status.txt"

@@ -3,7 +3,8 @@
     python scripts/inspect_data.py --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
 
 Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
-text vs vision tokens, and a few decoded samples with the label mask: trained (assistant) tokens in [[...]].
+text vs image vs video tokens, image and video counts, ViT patches, and a few decoded samples with the label mask:
+trained (assistant) tokens in [[...]].
 """
 
 from __future__ import annotations
@@ -23,8 +24,10 @@ from training.config import load_config
 from training.modeling import hf_config
 
 
-def describe_sample(tokenizer, input_ids: list[int], labels: list[int], image_token_id: int) -> str:
-    """The sample's text with trained tokens in [[...]] and each image's placeholder run shown as <image×N>."""
+def describe_sample(
+    tokenizer, input_ids: list[int], labels: list[int], image_token_id: int, video_token_id: int | None = None
+) -> str:
+    """The sample's text with trained tokens in [[...]] and each placeholder run shown as <image×N> / <video×N>."""
     pieces, run, run_trained = [], [], None
 
     def flush():
@@ -35,10 +38,10 @@ def describe_sample(tokenizer, input_ids: list[int], labels: list[int], image_to
     for (token, label), group in itertools.groupby(zip(input_ids, labels, strict=True), key=lambda p: (p[0], p[1])):
         count = len(list(group))
         trained = label != IGNORE_INDEX
-        if token == image_token_id:
+        if token in (image_token_id, video_token_id):
             flush()
             run, run_trained = [], None
-            pieces.append(f"<image×{count}>")
+            pieces.append(f"<{'image' if token == image_token_id else 'video'}×{count}>")
             continue
         if trained != run_trained:
             flush()
@@ -67,7 +70,14 @@ def main() -> None:
     steps = list(train_loader.steps(0))
     packs = [pack for step in steps for pack in step]
     tokens = sum(p.tokens for p in packs)
-    image_tokens = sum(item.num_patches // merge for p in packs for item in p.items)
+    rows = [row for p in packs for row in train_loader.fetch([item.key for item in p.items])]
+    image_grids = [grid for row in rows for grid in row["image_grid_thw"]]
+    video_grids = [grid for row in rows for grid in row["video_grid_thw"]]
+    image_patches = sum(t * h * w for t, h, w in image_grids)
+    video_patches = sum(t * h * w for t, h, w in video_grids)
+    image_tokens, video_tokens = image_patches // merge, video_patches // merge
+    text_tokens = tokens - image_tokens - video_tokens
+    frames = sum(len(video["frames"]) for row in rows for video in row["videos"])
     print(f"data.path={cfg.data.path} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
     print(f"samples: {stats.summary()}")
     for reason, examples in stats.skip_examples.items():
@@ -81,15 +91,27 @@ def main() -> None:
     else:
         padded = sum(len(p.items) * max(i.length for i in p.items) for p in packs)
         print(f"padded batches (epoch 0): {len(packs)}; padding efficiency {tokens / max(1, padded):.2%}")
-    print(f"tokens: {tokens} = text {tokens - image_tokens} + image {image_tokens}; ViT patches {image_tokens * merge}")
+    print(f"tokens: {tokens} = text {text_tokens} + image {image_tokens} + video {video_tokens}")
+    print(f"images: {len(image_grids)} ({image_patches} ViT patches)")
+    print(
+        f"videos: {len(video_grids)} in {sum(bool(row['video_grid_thw']) for row in rows)} samples "
+        f"({sum(t for t, _, _ in video_grids)} temporal patches, {frames} listed frames, {video_patches} ViT patches)"
+    )
 
     batch = next(iter(train_loader))
     rows = train_loader.fetch([item.key for item in steps[0][0].items])
     print(f"\nfirst batch: { {k: tuple(v.shape) for k, v in batch.items() if hasattr(v, 'shape')} }")
     print(f"  max_seqlen={batch.get('max_seqlen')} labels={batch['num_label_tokens']} samples={len(rows)}")
     for row in rows[: args.examples]:
-        text = describe_sample(processor.tokenizer, row["input_ids"], row["labels"], model_config.image_token_id)
-        print(f"\n--- sample {row['sample_id']} ({row['length']} tokens, grids {row['image_grid_thw']})\n{text}")
+        text = describe_sample(
+            processor.tokenizer,
+            row["input_ids"],
+            row["labels"],
+            model_config.image_token_id,
+            model_config.video_token_id,
+        )
+        grids = f"grids {row['image_grid_thw']}, video grids {row['video_grid_thw']}"
+        print(f"\n--- sample {row['sample_id']} ({row['length']} tokens, {grids})\n{text}")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,9 @@
 
 Builds the recipe's model (tiny or a checkpoint), takes a few packs from the recipe's data pipeline, and for each
 runs forward+backward packed (training/packed.py) and per sample (transformers' own path, positions from the model
-itself); prints max |Δ| of logits, loss and the worst parameter gradient, with unfused and fused rope. Exits 1 when
-any quantity is beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
+itself; the built-in data holds images and videos, data.video_share); prints the pack's video count and max |Δ|
+of logits, loss and the worst parameter gradient, with unfused and fused rope. Exits 1 when any quantity is
+beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
 bf16/fp16 models also run both sides on an fp32 copy: its packed vs per-sample difference (column "fp32 copy", the
 worst relative one) must stay within the fp32 tolerance, and each low-precision gradient may differ by up to
 3x the larger of the two runs' own errors against that copy (training/packing_check.py says why).
@@ -48,9 +49,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def to_device(batch: dict, device: str, dtype: torch.dtype) -> dict:
-    """Tensors of `batch` on `device`; floating ones (pixel_values) in the model's dtype."""
+    """Tensors of `batch` on `device`; pixel values in the model's dtype (second_per_grid_ts keeps its float64:
+    the reference derives positions from it)."""
     return {
-        key: value.to(device, dtype if value.is_floating_point() else None) if torch.is_tensor(value) else value
+        key: value.to(device, dtype if key.startswith("pixel_values") else None) if torch.is_tensor(value) else value
         for key, value in batch.items()
     }
 
@@ -82,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{header}; tolerance {rtol:g} relative{rounding}")
     exact_column = f" {'fp32 copy':>9}" if low_precision else ""
     print(
-        f"{'rope':8} {'pack':>4} {'samples':>7} {'tokens':>6}  {'logits':>9} {'loss':>9} {'grad':>9}{exact_column}  "
+        f"{'rope':8} {'pack':>4} {'samples':>7} {'videos':>6} {'tokens':>6}  {'logits':>9} {'loss':>9} {'grad':>9}"
+        f"{exact_column}  "
         "worst gradient"
     )
     failures = []
@@ -98,8 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             if report.exact:
                 exact = f" {max(d.relative for d in report.exact):9.1e}"
                 allowed = f", {ROUNDING_FACTOR:g}x rounding {ROUNDING_FACTOR * worst.rounding:.1e}"
+            videos = 0 if batch.get("video_grid_thw") is None else batch["video_grid_thw"].shape[0]
             print(
-                f"{rope:8} {index:>4} {len(batch['sample_lengths']):>7} {batch['input_ids'].shape[1]:>6}  "
+                f"{rope:8} {index:>4} {len(batch['sample_lengths']):>7} {videos:>6} {batch['input_ids'].shape[1]:>6}  "
                 f"{report.logits.max_abs:9.2e} {report.loss.max_abs:9.2e} {worst.max_abs:9.2e}{exact}  "
                 f"{worst.name} (rel {worst.relative:.1e}{allowed})"
             )

@@ -4,6 +4,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -15,10 +16,11 @@ from data.config import PackingConfig
 from data.packing import Leftover, PackItem
 from data.pipeline import StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from data.special_tokens import EOS_ID, VISION_START_ID
+from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
 from training.config import load_config
 from training.modeling import build_model, hf_config
+from training.packing_check import sample_position_ids, samples_from_batch
 
 
 def recipe(name: str, cache, *overrides: str):
@@ -69,7 +71,7 @@ def test_labels_cover_exactly_the_assistant_replies(cache):
     """Trained tokens are the assistant replies with their closing <|im_end|>, nothing from system/user turns."""
     cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=30")
     train, _, _, processor, _ = build(cfg)
-    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-0-30" / "data.jsonl").open())}
+    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-0-30-video0.2" / "data.jsonl").open())}
     for row in epoch_rows(train):
         replies = [t["value"] for t in records[row["sample_id"]]["conversations"] if t["from"] == "gpt"]
         trained = [token for token in row["labels"] if token != IGNORE_INDEX]
@@ -77,29 +79,26 @@ def test_labels_cover_exactly_the_assistant_replies(cache):
         assert processor.tokenizer.decode(trained) == "".join(reply + "<|im_end|>" for reply in replies)
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 def test_positions_restart_and_equal_model_rope_index(cache, family):
     """Row 0 restarts at 0 in every sample; rows 1-3 equal the real model's get_rope_index on that sample alone
-    (chunked Qwen2.5-VL and interleaved Qwen3-VL); image tokens per sample equal their grids' merged size."""
-    cfg = recipe(f"tiny-{family}", cache, "data.num_samples=40", "packing.max_tokens=1024")
+    (chunked Qwen2/2.5-VL, interleaved Qwen3-VL/3.5), videos included (Qwen2.5-VL with second_per_grid_ts,
+    Qwen3-VL/3.5 timestamped per temporal patch); pixel rows, grids and patch counts agree."""
+    cfg = recipe(f"tiny-{family}", cache, "data.num_samples=40", "packing.max_tokens=1024", "data.video_share=0.5")
     train, _, _, _, model_config = build(cfg)
     model = build_model(cfg.model)
-    merge = model_config.vision_config.spatial_merge_size**2
     batch = next(iter(train))
-    grids = iter(batch["image_grid_thw"])
-    assert batch["pixel_values"].shape[0] == batch["image_grid_thw"].prod(-1).sum() == batch["num_vision_patches"]
-    for part in sample_slices(batch):
-        ids = batch["input_ids"][:, part]
-        types = batch["mm_token_type_ids"][:, part]
-        sample_grids = [next(grids) for _ in range(int((ids == VISION_START_ID).sum()))]
-        grid = torch.stack(sample_grids) if sample_grids else None
-        expected, _ = model.model.get_rope_index(ids, types, image_grid_thw=grid)
+    assert batch["pixel_values"].shape[0] == batch["image_grid_thw"].prod(-1).sum()
+    assert batch["pixel_values_videos"].shape[0] == batch["video_grid_thw"].prod(-1).sum()
+    assert (
+        batch["image_grid_thw"].prod(-1).sum() + batch["video_grid_thw"].prod(-1).sum() == batch["num_vision_patches"]
+    )
+    samples = samples_from_batch(batch, model_config.vision_config.spatial_merge_size)
+    for part, sample in zip(sample_slices(batch), samples, strict=True):
         positions = batch["position_ids"][:, :, part]
         assert torch.equal(positions[0, 0], torch.arange(part.stop - part.start))
-        assert torch.equal(positions[1:], expected)
-        image_tokens = int((types == 1).sum())
-        assert image_tokens == sum(int(g.prod()) // merge for g in sample_grids)
-    assert next(grids, None) is None
+        assert torch.equal(positions, sample_position_ids(model, sample))
+    assert any(s.video_grid_thw is not None and s.video_grid_thw[:, 0].max() > 1 for s in samples)
 
 
 def test_every_kept_sample_once_per_epoch_and_resume(cache):
@@ -166,7 +165,7 @@ def test_padded_mode_batches(cache):
 
 
 def good_records(tmp_path, count=8):
-    """LLaVA records from the generator, with absolute image paths."""
+    """LLaVA records from the generator (images, and frame-list videos), with absolute paths."""
     directory = tmp_path / "src"
     records = [json.loads(line) for line in write_builtin_dataset(directory, count, seed=5).open()]
     for record in records:
@@ -174,18 +173,24 @@ def good_records(tmp_path, count=8):
             record["image"] = str(directory / record["image"])
         elif record.get("image"):
             record["image"] = [str(directory / p) for p in record["image"]]
+        if record.get("video"):
+            record["video"] = [str(directory / p) for p in record["video"]]
+    assert any("video" in r for r in records)
     return records
 
 
 def to_messages(record, image_as_bytes=False):
-    """The same conversation in role/content form, images as content items (or bytes in an `images` column)."""
+    """The same conversation in role/content form, images as content items (or bytes in an `images` column),
+    the video (a frame list) as an inline {"type": "video", "video": frames} item."""
     messages = []
     for turn in record["conversations"]:
         items = []
-        for index, piece in enumerate(turn["value"].split("<image>")):
-            if index:
+        for piece in re.split("(<image>|<video>)", turn["value"]):
+            if piece == "<image>":
                 items.append({"type": "image", "text": None})
-            if piece.strip():
+            elif piece == "<video>":
+                items.append({"type": "video", "video": record["video"]})
+            elif piece.strip():
                 items.append({"type": "text", "text": piece})
         messages.append({"role": "user" if turn["from"] == "human" else "assistant", "content": items})
     images = record.get("image", [])
@@ -201,7 +206,8 @@ def kept_token_sets(cfg):
 
 
 def test_loaders_agree_across_formats(tmp_path, cache):
-    """LLaVA JSON, LLaVA JSONL, messages JSONL and parquet (embedded image bytes) give identical samples."""
+    """LLaVA JSON, LLaVA JSONL, messages JSONL and parquet (embedded image bytes) give identical samples, videos
+    included."""
     records = good_records(tmp_path)
     (tmp_path / "llava.json").write_text(json.dumps(records))
     (tmp_path / "llava.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -39,6 +39,23 @@ def test_generator_mixes_kinds_and_sizes(tmp_path):
         assert placeholders == (len(images) if isinstance(images, list) else 1)
 
 
+def test_videos_show_the_motion_they_ask_about(tmp_path):
+    """Video records list 3-8 frame paths with one <video> each (some with an image too); across the frames the
+    shape's centre moves the way the answer says, so the task needs the frames in order."""
+    records = [json.loads(line) for line in write_builtin_dataset(tmp_path / "v", 60, seed=2, video_share=0.5).open()]
+    videos = [r for r in records if "video" in r]
+    assert 15 <= len(videos) <= 45 and any("image" in r for r in videos)
+    for record in videos:
+        assert sum(t["value"].count("<video>") for t in record["conversations"]) == 1
+        assert 3 <= len(record["video"]) <= 8 and all((tmp_path / "v" / p).exists() for p in record["video"])
+    for sample in generate_samples(60, seed=2, video_share=0.5):
+        for frames in sample.videos:
+            (x0, y0), (x1, y1) = frames[0].shapes[0].center, frames[-1].shapes[0].center
+            moved = {"left to right": x1 > x0, "right to left": x1 < x0, "top to bottom": y1 > y0}
+            direction = next((d for d in moved if d in sample.turns[1][1]), "bottom to top")
+            assert moved.get(direction, y1 < y0)
+
+
 def test_answers_are_determined_by_the_scene():
     """Counting answers name the number of shapes actually drawn, so the task is learnable from the image."""
     checked = 0

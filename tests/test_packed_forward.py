@@ -41,7 +41,23 @@ MIXED_PACK = (
     SampleSpec(2, ((4, 4),), text_after=0),  # the pack ends with an image
 )
 BUDGET_FILLING = (SampleSpec(40, ((4, 8),), text_after=50),)  # one sample filling the whole pack
+VIDEO_PACK = (
+    SampleSpec(0, videos=((3, 4, 4),), text_after=5),  # the pack starts with a video (odd t: the temporal axis moves)
+    SampleSpec(4, ((2, 4),), text_between=3, videos=((2, 2, 4), (1, 4, 2)), text_after=2),  # image + two videos
+    SampleSpec(6),  # text only between videos
+    SampleSpec(2, videos=((2, 4, 4),)),  # the pack ends with a video
+)
 
+
+VISUAL_FIELDS = (
+    "input_ids",
+    "shift_labels",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 
 MODERATE_SHAPES = {  # wider heads than the tiny recipes (head_dim 128 / 256 as in the real models), for the GPU
     "qwen2_5_vl": [
@@ -72,10 +88,10 @@ def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
     generator = torch.Generator().manual_seed(seed)
     samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
     for sample in samples:
-        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):  # seconds keep float64: positions are derived from them
             value = getattr(sample, name)
             if value is not None:
-                setattr(sample, name, value.to(device, model.dtype if value.is_floating_point() else None))
+                setattr(sample, name, value.to(device, model.dtype if name.startswith("pixel_values") else None))
     return samples
 
 
@@ -107,6 +123,22 @@ def test_packed_equals_per_sample(family, rope):
     apply_rope(model, rope)
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_videos_equal_per_sample(family):
+    """Videos (several temporal patches, so the temporal mRoPE axis advances; Qwen2.5-VL spaced by
+    second_per_grid_ts; Qwen3-VL/3.5 one timestamped block per temporal patch) mixed with images and text in one
+    pack: logits, loss and every gradient equal the per-sample forward+backward (fp32), fused rope."""
+    model = tiny_model(family)
+    apply_rope(model, "fused")
+    enable_packed_forward(model)
+    samples = samples_for(model, VIDEO_PACK, seed=2)
+    positions = pack_samples(model, samples)["position_ids"]
+    video = pack_samples(model, samples)["mm_token_type_ids"][0] == 2
+    assert positions[1, 0, video].unique().numel() > 1, "the temporal axis never moved"
+    report = compare_packed_to_per_sample(model, samples)
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
@@ -330,6 +362,18 @@ def test_packed_equals_per_sample_bf16_gpu(family):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_videos_equal_per_sample_bf16_gpu(family):
+    """On CUDA in bf16, a pack of videos (several temporal patches, timestamps for Qwen3-VL/3.5), images and text
+    equals the per-sample runs within bf16 rounding."""
+    model = tiny_model(family, dtype="bfloat16").cuda()
+    enable_packed_forward(model)
+    specs = (*VIDEO_PACK, SampleSpec(100, ((8, 8),), text_between=20, videos=((4, 8, 8),), text_after=40))
+    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(MODERATE_SHAPES))
 def test_packed_equals_per_sample_bf16_gpu_moderate_heads(family):
     """The bf16 GPU equality at real head sizes (text head_dim 128 / 256, vision head_dim 128), where the varlen
@@ -429,13 +473,14 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch)
 
 
 def test_samples_from_batch_inverts_pack_samples():
-    """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images and pixels."""
+    """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images, videos and
+    pixels."""
     model = tiny_model("qwen3_vl")
-    samples = samples_for(model, MIXED_PACK)
+    samples = samples_for(model, MIXED_PACK + VIDEO_PACK)
     for original, split in zip(
         samples, samples_from_batch(pack_samples(model, samples), merge_size(model)), strict=True
     ):
-        for name in ("input_ids", "shift_labels", "mm_token_type_ids", "pixel_values", "image_grid_thw"):
+        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):
             expected, got = getattr(original, name), getattr(split, name)
             assert (expected is None and got is None) or torch.equal(expected, got), name
 
@@ -452,6 +497,23 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.count("\nunfused ") == 2 and "PASS" in out
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
+def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
+    """scripts/verify_packing.py on a tiny recipe with a video-heavy built-in dataset (frame-list videos through
+    the real pipeline: Qwen2.5-VL's second_per_grid_ts, Qwen3 timestamps, MoE routing, Gated DeltaNet) passes in
+    fp32, fused rope, and its pack holds videos (test_packed_videos_equal_per_sample covers all six families)."""
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=12", "data.video_share=0.7", "packing.max_tokens=384"]
+    status = verify_packing.main(
+        ["--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides]
+    )
+    out = capsys.readouterr().out
+    assert status == 0, out
+    row = next(line.split() for line in out.splitlines() if line.startswith("fused "))
+    assert int(row[3]) > 0, out  # videos in the pack
 
 
 def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):

@@ -360,6 +360,32 @@ def test_text_only_pack_runs_the_vision_tower(recipe):
     assert loss == pytest.approx(expected.item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_vision_tower_runs_twice_whatever_the_pack_holds(family):
+    """Text-only, image-only, video-only and mixed packs all make exactly two vision-tower calls (images, videos;
+    dummies where a pack has none), so FSDP2's per-call all-gathers line up across ranks; the loss of a mixed pack
+    is unchanged by the dummies (there are none)."""
+    from training.packing_check import SampleSpec, pack_samples, synthetic_sample
+
+    model = build_model(load_config(f"recipes/tiny-{family}.yaml").model, seed=0)
+    enable_packed_forward(model)
+    module = loop.TrainModule(model)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    specs = {
+        "text": (SampleSpec(9),),
+        "image": (SampleSpec(3, ((2, 4),)),),
+        "video": (SampleSpec(3, videos=((2, 2, 4),)),),
+        "both": (SampleSpec(3, ((2, 4),), videos=((3, 4, 2),)), SampleSpec(5)),
+    }
+    for name, spec in specs.items():
+        gen = torch.Generator().manual_seed(0)
+        batch = pack_samples(model, [synthetic_sample(model.config, s, gen) for s in spec])
+        calls.clear()
+        module(batch).backward()
+        assert len(calls) == 2, name
+
+
 # ----- MFU: the FLOP formula against a hand count -----
 
 

@@ -2,7 +2,8 @@
 count of label tokens, no host sync inside a step, metrics synced once per log interval.
 
 `TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
-micro-step and every rank runs the vision tower every step (a text-only pack sends a dummy image through it).
+micro-step and every rank runs the vision tower twice every step, for images and for videos (a pack without one
+or the other sends a dummy image through it in its place).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ PADDED_MODEL_KEYS = (
     "mm_token_type_ids",
     "pixel_values",
     "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
 )
 
 
@@ -109,16 +112,19 @@ class TrainModule(nn.Module):
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
 
     def forward(self, batch: dict) -> torch.Tensor:
-        dummy = None
-        if batch.get("pixel_values") is None:
-            # Text-only pack: the vision tower still runs (on a dummy image, contributing exactly 0), so every
-            # rank issues the same FSDP/DDP collectives and every vision parameter gets a (zero) gradient. It runs
-            # first, where a real image would: FSDP2 all-gathers unit by unit, in execution order, on every rank.
-            visual = self.model.model.visual
-            dummy = _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
+        # The model calls the vision tower once for a pack's images and once for its videos. Every rank must make
+        # the same calls (FSDP2 all-gathers per call, DDP needs every vision parameter used), so a pack without
+        # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
+        # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
+        visual = self.model.model.visual
+        dummies = [
+            _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
+            for key in ("pixel_values", "pixel_values_videos")
+            if batch.get(key) is None
+        ]
         logits = self.model(**self.model_inputs(batch), use_cache=False).logits
         loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
-        return loss_sum if dummy is None else loss_sum + 0.0 * dummy
+        return loss_sum + 0.0 * sum(dummies) if dummies else loss_sum
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -427,8 +433,8 @@ def train(
 
 
 def _grids(batch: dict) -> list[tuple[int, int, int]]:
-    grid = batch.get("image_grid_thw")
-    return [] if grid is None else [tuple(row) for row in grid.tolist()]  # host tensor from the collator
+    grids = [batch.get("image_grid_thw"), batch.get("video_grid_thw")]
+    return [tuple(row) for grid in grids if grid is not None for row in grid.tolist()]  # host tensors (collator)
 
 
 def _log_interval(

@@ -193,7 +193,7 @@ class IntervalCounts:
     flops: float = 0.0
 
     def add_batch(self, batch: dict, budget: int, flops: float) -> None:
-        self.tokens += batch["num_text_tokens"] + batch["num_image_tokens"]
+        self.tokens += batch["num_text_tokens"] + batch["num_image_tokens"] + batch.get("num_video_tokens", 0)
         self.text_tokens += batch["num_text_tokens"]
         self.image_tokens += batch["num_image_tokens"]
         self.vision_patches += batch["num_vision_patches"]

@@ -285,14 +285,24 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
             config._attn_implementation = old
 
 
-_MODEL_KEYS = ("input_ids", "position_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+# second_per_grid_ts is left out: it only shapes positions, and packed positions come precomputed per sample.
+_MODEL_KEYS = (
+    "input_ids",
+    "position_ids",
+    "mm_token_type_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "pixel_values_videos",
+    "video_grid_thw",
+)
 
 
 def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """Keyword arguments for `model(**inputs, use_cache=False)` from a packed batch (docs/architecture.md).
 
     batch: input_ids long (1,T), position_ids long (4,1,T), mm_token_type_ids int (1,T), pixel_values
-    (P, C·tp·p·p) or None, image_grid_thw long (n_images,3) or None, cu_seqlens int32 (n+1,), max_seqlen int,
+    (P, C·tp·p·p) or None, image_grid_thw long (n_images,3) or None, pixel_values_videos / video_grid_thw likewise
+    for videos, cu_seqlens int32 (n+1,), max_seqlen int,
     sample_lengths list[int]; tensors already on the model's device except possibly cu_seqlens.
     Returns those model keys plus `packed_seqlens`; the model returns logits (1,T,V).
     Raises ValueError when the model was not prepared with `enable_packed_forward` (its samples would leak into

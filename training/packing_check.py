@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from data.positions import takes_second_per_grid_ts
+from data.video import uses_timestamps
 from training.packed import VARLEN_DEVICES, attention_implementation, packed_model_inputs
 from training.routing_pin import PinnedRouting
 
@@ -68,8 +70,9 @@ class Sample:
     """One training sample, unpacked.
 
     input_ids: long (S,); shift_labels: long (S,), target of position t or -100 (the last position is -100);
-    mm_token_type_ids: int (S,), 0 text / 1 image; pixel_values: float (P, C·tp·p·p) or None;
-    image_grid_thw: long (n_images, 3) or None.
+    mm_token_type_ids: int (S,), 0 text / 1 image / 2 video; pixel_values: float (P, C·tp·p·p) or None;
+    image_grid_thw: long (n_images, 3) or None; pixel_values_videos / video_grid_thw likewise for videos;
+    second_per_grid_ts: float (n_videos,) or None (read by Qwen2.5-VL's positions only).
     """
 
     input_ids: torch.Tensor
@@ -77,6 +80,9 @@ class Sample:
     mm_token_type_ids: torch.Tensor
     pixel_values: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+    pixel_values_videos: torch.Tensor | None = None
+    video_grid_thw: torch.Tensor | None = None
+    second_per_grid_ts: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -158,7 +164,11 @@ def sample_position_ids(model: torch.nn.Module, sample: Sample) -> torch.Tensor:
     """long (4, 1, S): row 0 text positions 0..S-1, rows 1-3 the model's mRoPE positions of this sample alone."""
     input_ids = sample.input_ids[None]
     rope, _ = model.model.get_rope_index(
-        input_ids, sample.mm_token_type_ids[None], image_grid_thw=sample.image_grid_thw
+        input_ids,
+        sample.mm_token_type_ids[None],
+        image_grid_thw=sample.image_grid_thw,
+        video_grid_thw=sample.video_grid_thw,
+        **_video_timing(model, sample),
     )
     text = torch.arange(len(sample), device=input_ids.device).view(1, 1, -1)
     return torch.cat([text, rope.to(text.dtype)], dim=0)
@@ -169,6 +179,11 @@ def pack_samples(model: torch.nn.Module, samples: list[Sample]) -> dict:
     lengths = [len(s) for s in samples]
     device = samples[0].input_ids.device
     with_images = [s for s in samples if s.image_grid_thw is not None]
+    with_videos = [s for s in samples if s.video_grid_thw is not None]
+
+    def videos(name: str):
+        return torch.cat([getattr(s, name) for s in with_videos]) if with_videos else None
+
     return {
         "input_ids": torch.cat([s.input_ids for s in samples])[None],
         "position_ids": torch.cat([sample_position_ids(model, s) for s in samples], dim=2),
@@ -176,17 +191,30 @@ def pack_samples(model: torch.nn.Module, samples: list[Sample]) -> dict:
         "mm_token_type_ids": torch.cat([s.mm_token_type_ids for s in samples])[None],
         "pixel_values": torch.cat([s.pixel_values for s in with_images]) if with_images else None,
         "image_grid_thw": torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,
+        "pixel_values_videos": videos("pixel_values_videos"),
+        "video_grid_thw": videos("video_grid_thw"),
+        "second_per_grid_ts": videos("second_per_grid_ts"),
         "cu_seqlens": torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device),
         "max_seqlen": max(lengths),
         "sample_lengths": lengths,
     }
 
 
-def _sample_inputs(sample: Sample) -> dict:
+def _video_timing(model: torch.nn.Module, sample: Sample) -> dict:
+    """{"second_per_grid_ts": …} for a family whose positions read it (Qwen2.5-VL), else {}."""
+    if sample.video_grid_thw is None or not takes_second_per_grid_ts(model.model):
+        return {}
+    return {"second_per_grid_ts": sample.second_per_grid_ts}
+
+
+def _sample_inputs(model: torch.nn.Module, sample: Sample) -> dict:
     """Model kwargs for one sample alone (B=1); positions are left to the model's own get_rope_index."""
     inputs = {"input_ids": sample.input_ids[None], "mm_token_type_ids": sample.mm_token_type_ids[None]}
     if sample.image_grid_thw is not None:
         inputs.update(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw)
+    if sample.video_grid_thw is not None:
+        inputs.update(pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw)
+        inputs.update(_video_timing(model, sample))
     return inputs
 
 
@@ -207,33 +235,50 @@ def _difference(name: str, packed: torch.Tensor, reference: torch.Tensor) -> Dif
     return Difference(name, (packed - reference).abs().max().item(), reference.abs().max().item())
 
 
-def samples_from_batch(batch: dict, spatial_merge_size: int) -> list[Sample]:
-    """Split a packed batch (docs/architecture.md) back into its samples, images assigned by their token counts."""
-    bounds = batch["cu_seqlens"].tolist()
-    grids = batch.get("image_grid_thw")
+def _split_visuals(batch: dict, kind: str, token_type: int, merge: int) -> list[tuple[slice, slice]]:
+    """Per sample of a packed batch, (grid rows, patch rows) of its images (kind "image") or videos ("video"),
+    assigned in order by the sample's token count of that type (t·h·w / merge² tokens each)."""
+    grids = batch.get(f"{kind}_grid_thw")
     grids = [] if grids is None else grids.tolist()
-    samples, image, patch = [], 0, 0
-    for start, end in itertools.pairwise(bounds):
-        types = batch["mm_token_type_ids"][0, start:end]
-        image_tokens, first_image, first_patch = int((types == 1).sum()), image, patch
-        while image_tokens > 0 and image < len(grids):
-            t, h, w = grids[image]
-            image_tokens -= t * h * w // spatial_merge_size**2
-            image, patch = image + 1, patch + t * h * w
-        if image_tokens != 0:
-            raise ValueError(f"sample [{start}, {end}) has image tokens that do not match image_grid_thw.")
-        has_images = image > first_image
+    spans, index, patch = [], 0, 0
+    for start, end in itertools.pairwise(batch["cu_seqlens"].tolist()):
+        tokens = int((batch["mm_token_type_ids"][0, start:end] == token_type).sum())
+        first_index, first_patch = index, patch
+        while tokens > 0 and index < len(grids):
+            t, h, w = grids[index]
+            tokens -= t * h * w // merge**2
+            index, patch = index + 1, patch + t * h * w
+        if tokens != 0:
+            raise ValueError(f"sample [{start}, {end}) has {kind} tokens that do not match {kind}_grid_thw.")
+        spans.append((slice(first_index, index), slice(first_patch, patch)))
+    if index != len(grids):
+        raise ValueError(f"{len(grids) - index} {kind}s of the batch belong to no sample's {kind} tokens.")
+    return spans
+
+
+def samples_from_batch(batch: dict, spatial_merge_size: int) -> list[Sample]:
+    """Split a packed batch (docs/architecture.md) back into its samples, images and videos assigned by their token
+    counts."""
+    images = _split_visuals(batch, "image", 1, spatial_merge_size)
+    videos = _split_visuals(batch, "video", 2, spatial_merge_size)
+    samples = []
+    for (start, end), (grid, patches), (video, video_patches) in zip(
+        itertools.pairwise(batch["cu_seqlens"].tolist()), images, videos, strict=True
+    ):
+        has_images, has_videos = grid.stop > grid.start, video.stop > video.start
+        seconds = batch.get("second_per_grid_ts")
         samples.append(
             Sample(
                 input_ids=batch["input_ids"][0, start:end],
                 shift_labels=batch["shift_labels"][0, start:end],
-                mm_token_type_ids=types,
-                pixel_values=batch["pixel_values"][first_patch:patch] if has_images else None,
-                image_grid_thw=batch["image_grid_thw"][first_image:image] if has_images else None,
+                mm_token_type_ids=batch["mm_token_type_ids"][0, start:end],
+                pixel_values=batch["pixel_values"][patches] if has_images else None,
+                image_grid_thw=batch["image_grid_thw"][grid] if has_images else None,
+                pixel_values_videos=batch["pixel_values_videos"][video_patches] if has_videos else None,
+                video_grid_thw=batch["video_grid_thw"][video] if has_videos else None,
+                second_per_grid_ts=seconds[video] if has_videos and seconds is not None else None,
             )
         )
-    if image != len(grids):
-        raise ValueError(f"{len(grids) - image} images of the batch belong to no sample's image tokens.")
     return samples
 
 
@@ -324,7 +369,7 @@ def _per_sample_run(model: torch.nn.Module, samples: list[Sample], num_labels: i
         with attention_implementation(model, "sdpa"):
             for index, sample in enumerate(samples):
                 routing.sample = index
-                logits = model(**_sample_inputs(sample), use_cache=False).logits
+                logits = model(**_sample_inputs(model, sample), use_cache=False).logits
                 loss = label_loss(logits, sample.shift_labels[None], num_labels)
                 loss.backward()
                 logits_per_sample.append(logits.detach()[0])
@@ -377,19 +422,24 @@ def _add_fp32_copy(report, model, samples, batch, num_labels, runs: tuple[_Run, 
 
 @dataclass(frozen=True)
 class SampleSpec:
-    """Layout of a synthetic sample: text lengths around images. `images` are (h, w) patch grids (t = 1)."""
+    """Layout of a synthetic sample: text lengths around images, then videos. `images` are (h, w) patch grids
+    (t = 1); `videos` are (t, h, w) grids, laid out as the family's processor lays them out (Qwen3-VL/3.5: a
+    two-token timestamp and vision_start/vision_end around each temporal patch)."""
 
     text_before: int
     images: tuple[tuple[int, int], ...] = ()
     text_between: int = 2
     text_after: int = 0
+    videos: tuple[tuple[int, int, int], ...] = ()
 
 
 def synthetic_sample(config, spec: SampleSpec, generator: torch.Generator) -> Sample:
     """A random sample laid out as `spec` for a model `config` (token ids and vision sizes from it).
 
     Text ids are drawn above the special ids; each image is vision_start, h·w/merge² image tokens, vision_end;
-    pixel values are random (P, 3·tp·p·p); every position whose next token is text is a label.
+    each video likewise with t·h·w/merge² video tokens (per temporal patch, after a timestamp, for Qwen3-VL/3.5),
+    0.5 s per temporal patch; pixel values are random (P, 3·tp·p·p); every position whose next token is text is
+    a label.
     """
     vision = config.vision_config
     merge, patch, temporal = vision.spatial_merge_size, vision.patch_size, vision.temporal_patch_size
@@ -397,21 +447,38 @@ def synthetic_sample(config, spec: SampleSpec, generator: torch.Generator) -> Sa
     first_text_id = 1 + max(
         config.image_token_id, config.video_token_id, config.vision_start_token_id, config.vision_end_token_id
     )
+    start, end = config.vision_start_token_id, config.vision_end_token_id
 
     def text(n: int) -> list[int]:
         return torch.randint(first_text_id, vocab, (n,), generator=generator).tolist()
 
-    ids, types, pixels, grids = text(spec.text_before), [0] * spec.text_before, [], []
-    for i, (h, w) in enumerate(spec.images):
+    def pixels(patches: int) -> torch.Tensor:
+        return torch.randn(patches, 3 * temporal * patch * patch, generator=generator)
+
+    def visual(t: int, h: int, w: int, token_id: int, token_type: int) -> tuple[list[int], list[int]]:
         if h % merge or w % merge:
-            raise ValueError(f"image grid {h}x{w} must be a multiple of spatial_merge_size {merge}.")
-        n_tokens = h * w // merge**2
-        ids += [config.vision_start_token_id, *[config.image_token_id] * n_tokens, config.vision_end_token_id]
-        types += [0, *[1] * n_tokens, 0]
-        between = spec.text_between if i + 1 < len(spec.images) else spec.text_after
-        ids, types = ids + text(between), types + [0] * between
-        pixels.append(torch.randn(h * w, 3 * temporal * patch * patch, generator=generator))
+            raise ValueError(f"grid {h}x{w} must be a multiple of spatial_merge_size {merge}.")
+        per_patch = h * w // merge**2
+        if token_type == 2 and uses_timestamps(config):
+            ids = []
+            for _ in range(t):
+                ids += [*text(2), start, *[token_id] * per_patch, end]
+            return ids, [0 if i != token_id else token_type for i in ids]
+        return [start, *[token_id] * (t * per_patch), end], [0, *[token_type] * (t * per_patch), 0]
+
+    ids, types, image_pixels, grids = text(spec.text_before), [0] * spec.text_before, [], []
+    for i, (h, w) in enumerate(spec.images):
+        more_ids, more_types = visual(1, h, w, config.image_token_id, 1)
+        between = spec.text_between if i + 1 < len(spec.images) or spec.videos else spec.text_after
+        ids, types = ids + more_ids + text(between), types + more_types + [0] * between
+        image_pixels.append(pixels(h * w))
         grids.append([1, h, w])
+    video_pixels = []
+    for i, (t, h, w) in enumerate(spec.videos):
+        more_ids, more_types = visual(t, h, w, config.video_token_id, 2)
+        between = spec.text_between if i + 1 < len(spec.videos) else spec.text_after
+        ids, types = ids + more_ids + text(between), types + more_types + [0] * between
+        video_pixels.append(pixels(t * h * w))
     input_ids = torch.tensor(ids)
     mm_types = torch.tensor(types, dtype=torch.int32)
     labels = torch.full_like(input_ids, IGNORE_INDEX)
@@ -421,6 +488,9 @@ def synthetic_sample(config, spec: SampleSpec, generator: torch.Generator) -> Sa
         input_ids=input_ids,
         shift_labels=labels,
         mm_token_type_ids=mm_types,
-        pixel_values=torch.cat(pixels) if pixels else None,
+        pixel_values=torch.cat(image_pixels) if image_pixels else None,
         image_grid_thw=torch.tensor(grids) if grids else None,
+        pixel_values_videos=torch.cat(video_pixels) if video_pixels else None,
+        video_grid_thw=torch.tensor(spec.videos) if spec.videos else None,
+        second_per_grid_ts=torch.full((len(spec.videos),), 0.5, dtype=torch.float64) if spec.videos else None,
     )
