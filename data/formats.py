@@ -17,6 +17,8 @@ from PIL import Image, UnidentifiedImageError
 
 SKIP_REASONS = (
     "unknown_format",
+    "malformed_record",
+    "undecodable_line",
     "missing_image",
     "corrupt_image",
     "image_count_mismatch",
@@ -26,6 +28,10 @@ SKIP_REASONS = (
 )
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
+# Keys a turn or content item may hold: anything else is a layout we do not know, so we skip rather than guess.
+LLAVA_TURN_KEYS = frozenset({"from", "value"})
+MESSAGE_KEYS = frozenset({"role", "content"})
+CONTENT_ITEM_KEYS = frozenset({"type", "text", "image", "url", "path"})
 
 
 class SampleError(Exception):
@@ -46,6 +52,29 @@ def detect_format(record: Mapping) -> str:
     raise SampleError("unknown_format", f"no 'conversations' or 'messages' list in keys {sorted(record)}")
 
 
+def _malformed(where: str, value, expected: str) -> SampleError:
+    return SampleError("malformed_record", f"{where} is {type(value).__name__}, not {expected}")
+
+
+def _mapping(value, where: str, allowed_keys: frozenset[str]) -> Mapping:
+    """`value` itself when it is a mapping whose keys are all in `allowed_keys`; SampleError otherwise."""
+    if not isinstance(value, Mapping):
+        raise _malformed(where, value, "an object")
+    unknown = sorted(str(key) for key in value if key not in allowed_keys)
+    if unknown:
+        raise SampleError("malformed_record", f"{where} has unknown keys {unknown} (known: {sorted(allowed_keys)})")
+    return value
+
+
+def _string(value, where: str) -> str:
+    """A text field: a string, or "" for null."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _malformed(where, value, "a string")
+    return value
+
+
 def image_ref(value) -> dict:
     """Normalise an image reference (path string, bytes, {"path","bytes"} dict, or PIL image) to {"path","bytes"}."""
     if isinstance(value, str):
@@ -53,12 +82,15 @@ def image_ref(value) -> dict:
     if isinstance(value, bytes | bytearray):
         return {"path": None, "bytes": bytes(value)}
     if isinstance(value, Mapping) and ("path" in value or "bytes" in value):
-        return {"path": value.get("path"), "bytes": value.get("bytes")}
+        path, data = value.get("path"), value.get("bytes")
+        if not isinstance(path, str | None) or not isinstance(data, bytes | bytearray | None):
+            raise SampleError("malformed_record", "an image reference's path must be a string and bytes bytes")
+        return {"path": path, "bytes": None if data is None else bytes(data)}
     if isinstance(value, Image.Image):
         buffer = io.BytesIO()
         value.save(buffer, format="PNG")
         return {"path": None, "bytes": buffer.getvalue()}
-    raise SampleError("missing_image", f"unsupported image reference of type {type(value).__name__}")
+    raise _malformed("an image reference", value, "a path, bytes or a {path, bytes} object")
 
 
 def _record_images(record: Mapping) -> list[dict]:
@@ -86,37 +118,51 @@ def _split_placeholders(text: str) -> list[dict]:
 
 def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict]]:
     messages = []
-    for turn in record["conversations"]:
-        role = LLAVA_ROLES.get(str(turn.get("from", "")).lower())
+    for index, turn in enumerate(record["conversations"]):
+        turn = _mapping(turn, f"turn {index}", LLAVA_TURN_KEYS)
+        role = LLAVA_ROLES.get(_string(turn.get("from"), f"turn {index}'s 'from'").lower())
         if role is None:
             raise SampleError("unknown_format", f"turn role {turn.get('from')!r} is not one of {sorted(LLAVA_ROLES)}")
-        messages.append({"role": role, "content": _split_placeholders(str(turn.get("value") or ""))})
+        messages.append(
+            {"role": role, "content": _split_placeholders(_string(turn.get("value"), f"turn {index}'s value"))}
+        )
     return messages, _record_images(record)
+
+
+def _content_items(content, where: str) -> tuple[list[dict], list[dict]]:
+    """(items, inline image references) of a message's `content`: a string, null, or a list of item objects."""
+    if content is None or isinstance(content, str):
+        return _split_placeholders(content or ""), []
+    if not isinstance(content, list):
+        raise _malformed(where, content, "a string or a list of items")
+    items, images = [], []
+    for position, item in enumerate(content):
+        item = _mapping(item, f"{where} item {position}", CONTENT_ITEM_KEYS)
+        kind = item.get("type")
+        if kind == "text" or (kind is None and "text" in item):
+            text = _string(item.get("text"), f"{where} item {position}'s text")
+            if text:
+                items.append(_text_item(text))
+        elif kind == "image" or (kind is None and item.get("image") is not None):
+            items.append({"type": "image"})
+            payload = next((item[k] for k in ("image", "url", "path") if item.get(k) is not None), None)
+            if payload is not None:
+                images.append(image_ref(payload))
+        else:
+            raise SampleError("unknown_format", f"content item type {kind!r} (only text and image)")
+    return items, images
 
 
 def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict]]:
     """Messages-style records: content a string or a list of items; images inline in items or in `images`."""
     messages, inline_images = [], []
-    for message in record["messages"]:
+    for index, message in enumerate(record["messages"]):
+        message = _mapping(message, f"message {index}", MESSAGE_KEYS)
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise SampleError("unknown_format", f"message role {role!r} is not system/user/assistant")
-        content = message.get("content")
-        if isinstance(content, str):
-            items = _split_placeholders(content)
-        else:
-            items = []
-            for item in content or []:
-                kind = item.get("type")
-                if kind == "text" and item.get("text"):
-                    items.append(_text_item(item["text"]))
-                elif kind == "image" or (kind is None and item.get("image") is not None):
-                    items.append({"type": "image"})
-                    payload = item.get("image") or item.get("url") or item.get("path")
-                    if payload is not None:
-                        inline_images.append(image_ref(payload))
-                elif kind not in ("text", "image"):
-                    raise SampleError("unknown_format", f"content item type {kind!r} (only text and image)")
+        items, images = _content_items(message.get("content"), f"message {index}'s content")
+        inline_images += images
         messages.append({"role": role, "content": items})
     return messages, inline_images or _record_images(record)
 

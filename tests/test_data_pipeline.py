@@ -474,3 +474,67 @@ def test_resume_inside_an_accumulation_group_warns(cache, caplog):
         train.load_state_dict({"epoch": 0, "step_in_epoch": 4})
     assert train.state_dict() == {"epoch": 0, "step_in_epoch": 4}
     assert "inside a group of grad_accum_steps=3" in caplog.text
+
+
+def malformed_records(good):
+    """Record shapes that are not a valid conversation, each built from a good single-image record."""
+    single = next(r for r in good if isinstance(r.get("image"), str))
+    human, reply = single["conversations"]
+    content = [{"type": "text", "text": "hi"}]
+    return [
+        {**single, "conversations": ["a turn that is a string", reply]},
+        {**single, "conversations": [None, reply]},
+        {**single, "conversations": [human, {"from": "gpt", "value": ["a", "list"]}]},
+        {**single, "conversations": [[human], reply]},
+        {**single, "conversations": [{**human, "weight": 1}, reply]},
+        {**single, "conversations": [human, {"from": 7, "value": "x"}]},
+        {**single, "image": [[single["image"]]]},
+        {**single, "image": {"path": 5}},
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [["nested"]]}, {"role": "assistant", "content": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": 3}]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": content, "extra": 1}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}, "assistant says"]},
+    ]
+
+
+def test_malformed_records_are_counted_skips_with_their_line(tmp_path, cache):
+    """Every record shape that is not a valid conversation (a turn that is not a mapping, content of the wrong
+    type, nested lists, unknown keys, JSON nested past the recursion limit) is skipped as malformed_record, its
+    detail naming the 1-based line; good records all survive; with data.on_error=raise the first one stops the build
+    with an error naming its line."""
+    good = good_records(tmp_path)
+    malformed = malformed_records(good)
+    lines = [json.dumps(r) for r in good[:2]] + [json.dumps(r) for r in malformed] + ["[" * 100000 + "]" * 100000]
+    lines += [json.dumps(r) for r in good[2:]]
+    (tmp_path / "malformed.jsonl").write_text("\n".join(lines) + "\n")
+    overrides = (f"data.path={tmp_path / 'malformed.jsonl'}", "data.eval_fraction=0")
+    _, _, stats, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    assert dict(stats.skipped) == {"malformed_record": len(malformed) + 1}
+    assert stats.kept_train == len(good)
+    assert stats.skip_examples["malformed_record"][0] == "builtin-000000: line 3: turn 0 is str, not an object"
+    with pytest.raises(ValueError, match="line 3"):
+        build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.on_error=raise"))
+
+
+def test_undecodable_line_is_a_counted_skip_and_a_bom_keeps_the_first_record(tmp_path, cache):
+    """A JSONL line that is not UTF-8 is skipped as undecodable_line, named by its 1-based line number, and the rest
+    of the file loads; a UTF-8 BOM before the first record does not cost that record; a JSON list with a bad byte is
+    a one-line error naming the file."""
+    good = good_records(tmp_path)
+    lines = [json.dumps(r).encode() for r in good]
+    lines.insert(3, b'{"id": "latin-1", "conversations": "caf\xe9"}')
+    (tmp_path / "bytes.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bytes.jsonl'}", "data.eval_fraction=0")
+    _, _, stats, _, _ = build(cfg)
+    assert dict(stats.skipped) == {"undecodable_line": 1}
+    assert stats.skip_examples["undecodable_line"] == ["line 4: the line is not valid UTF-8"]
+    assert stats.kept_train == len(good)
+    (tmp_path / "bad.json").write_bytes(b"\xef\xbb\xbf[" + json.dumps(good[0]).encode() + b', "\xff"]')
+    with pytest.raises(ValueError, match=r"bad.json: byte \d+ is not valid UTF-8"):
+        build(recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bad.json'}"))
