@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_pro
 from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
-PROCESSING_VERSION = 1  # bump when processing output changes, to invalidate cached datasets
+PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
 DEFAULT_CACHE_ROOT = ".cache"
 SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
@@ -93,18 +94,49 @@ class DataStats:
         )
 
 
-def processing_fingerprint(cfg, processor, model_config: PretrainedConfig, source_fingerprint: str) -> str:
-    """Cache key of the processed dataset: data settings, processor, model config, source data, code version."""
+# Config keys that describe how weights are stored or run, not how a sample is tokenised or positioned: train.py's
+# built model and inspect_data.py's bare config differ in them, and must share one processed cache.
+RUNTIME_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures"})
+
+
+def _processing_config(value):
+    """A config dict without RUNTIME_CONFIG_KEYS, at every level."""
+    if isinstance(value, dict):
+        return {k: _processing_config(v) for k, v in value.items() if k not in RUNTIME_CONFIG_KEYS}
+    return value
+
+
+def image_files_signature(records: Dataset, sample_processor: SampleProcessor) -> str:
+    """Hash of (path, size, mtime_ns) of every image file the records reference, "missing" for absent ones: an
+    image deleted, added or rewritten after processing changes the cache key, so no stale skip or row survives."""
+    digest = hashlib.blake2b(digest_size=16)
+    for record in records:
+        for path in sample_processor.image_files(record):
+            try:
+                stat = os.stat(path)
+                digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            except OSError:
+                digest.update(f"{path}\0missing\n".encode())
+    return digest.hexdigest()
+
+
+def processing_fingerprint(
+    cfg, processor, model_config: PretrainedConfig, source_fingerprint: str, images_signature: str
+) -> str:
+    """Cache key of the processed dataset: everything its rows depend on. The source data (its contents' hash for
+    JSON files), the image files (`image_files_signature`), the data settings, processor, the model config's
+    processing fields, and the processing code's version. inspect_data.py and train.py compute the same key."""
     tokenizer = processor.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     parts = {
         "version": PROCESSING_VERSION,
         "source": source_fingerprint,
+        "images": images_signature,
         "data": [cfg.data.path, cfg.data.image_root, cfg.data.format, cfg.data.min_pixels, cfg.data.max_pixels],
         "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
         "chat_template": processor.chat_template,
         "image_processor": processor.image_processor.to_json_string(),
-        "model": model_config.to_json_string(),
+        "model": _processing_config(model_config.to_dict()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -369,7 +401,8 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     if cfg.data.streaming:
         train_items, eval_items, fetch = _streaming(cfg, records, sample_processor, stats)
     else:
-        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint)
+        images = image_files_signature(records, sample_processor)
+        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint, images)
         train_items, eval_items, fetch = _in_memory(cfg, records, sample_processor, fingerprint, stats)
         logger.log(logging.WARNING if stats.skipped else logging.INFO, "data: %s", stats.summary())
     collator = Collator(
@@ -378,6 +411,7 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
         image_token_id=model_config.image_token_id,
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
+        raise_errors=cfg.data.on_error == "raise",
     )
     collate = collator.packed if cfg.packing.mode == "packed" else collator.padded
     common = {"fetch": fetch, "collate": collate, "packing_cfg": cfg.packing, "rank": rank, "world_size": world_size}

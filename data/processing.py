@@ -134,6 +134,15 @@ class SampleProcessor:
                 error.detail = f"{location}: {error.detail}"
             return _skipped(sample_id, error)
 
+    def image_files(self, record: Mapping) -> list[str]:
+        """The image files a record would load, resolved as `process` resolves them (none for a bad record)."""
+        try:
+            _, refs = normalize_record(_parsed(record), self.data_format)
+        except SampleError:
+            return []
+        refs = [resolve_ref(ref, self.image_root) for ref in refs]
+        return [ref["path"] for ref in refs if ref["bytes"] is None and ref["path"]]
+
     def process(self, record: Mapping, sample_id: str) -> dict:
         messages, refs = normalize_record(record, self.data_format)
         refs = [resolve_ref(ref, self.image_root) for ref in refs]

@@ -3,6 +3,7 @@
 import itertools
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -313,18 +314,64 @@ def test_streaming_matches_in_memory(tmp_path, cache):
     assert streaming_stats.skipped == stats.skipped and streaming_stats.kept_train == stats.kept_train
 
 
-def test_processed_cache_is_reused(tmp_path, cache):
-    """A second build with the same settings reads the processed dataset from cache (same rows, no reprocessing
-    of a deleted image), and a changed pixel bound reprocesses."""
+def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
+    """The processed cache is reused while nothing it depends on changed, and rebuilt when an image file is
+    deleted (a missing_image skip), restored (kept again), the data file is rewritten with the same size and mtime,
+    or a pixel bound changes; inspect_data.py's bare model config and train.py's built model share one cache."""
+    from data import processing
+
+    calls = []
+    original = processing.SampleProcessor.process
+    monkeypatch.setattr(processing.SampleProcessor, "process", lambda self, *a: calls.append(1) or original(self, *a))
     good = good_records(tmp_path)
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
-    overrides = (f"data.path={tmp_path / 'c.jsonl'}", "data.eval_fraction=0")
-    first = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1]
-    shutil.copytree(tmp_path / "src", tmp_path / "src-copy")
+    data_file = tmp_path / "c.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={data_file}", "data.eval_fraction=0")
+
+    def build_counting(*more):
+        calls.clear()
+        cfg = recipe("tiny-qwen2_5_vl", cache, *overrides, *more)
+        model_config = build_model(cfg.model).config  # what train.py passes: dtype set, unlike hf_config's
+        stats = build_data(cfg, load_processor(cfg), model_config)[2]
+        return stats, len(calls)
+
+    assert build_counting()[1] == len(good)
+    assert build_counting()[1] == 0
+    assert kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides)) and not calls  # inspect_data's config
+    image = Path(next(r["image"] for r in good if isinstance(r.get("image"), str)))
+    moved = image.with_suffix(".moved")
+    image.rename(moved)
+    stats, processed = build_counting()
+    assert processed > 0 and stats.skipped["missing_image"] >= 1
+    moved.rename(image)  # the same file again: the first build's rows are right, and are reused
+    stats, _ = build_counting()
+    assert not stats.skipped and stats.kept_train == len(good)
+    stat = data_file.stat()
+    data_file.write_text(data_file.read_text().replace(good[0]["id"], good[0]["id"][::-1]))
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert build_counting()[1] > 0
+    assert build_counting("data.max_pixels=20000")[1] > 0
+
+
+def test_an_image_gone_at_load_time_is_a_counted_stand_in(tmp_path, cache):
+    """An image deleted after the cache was built (while the run reads it) turns its sample into a stand-in with no
+    labels, counted in the batch, in loader workers too; the packs keep their planned lengths; with
+    data.on_error=raise it is an error naming the sample."""
+    good = good_records(tmp_path)
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={tmp_path / 'g.jsonl'}", "data.eval_fraction=0", "data.num_workers=2")
+    train, *_ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    raising, *_ = build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.on_error=raise"))
+    rows = epoch_rows(train)
+    lengths = next(iter(train))["sample_lengths"]
+    assert sorted(lengths) == sorted(r["length"] for r in rows)  # the tiny recipe packs all 8 into one batch
+    train.load_state_dict({"epoch": 0, "step_in_epoch": 0})
     shutil.rmtree(tmp_path / "src" / "images")
-    assert kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1] == first
-    stats, _ = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.max_pixels=20000"))
-    assert stats.skipped["missing_image"] > 0
+    batch = next(iter(train))
+    assert batch["sample_lengths"] == lengths and batch["pixel_values"] is None
+    assert batch["num_skipped_samples"] == sum(1 for r in rows if r["images"]) > 0
+    with pytest.raises(ValueError, match="missing_image"):
+        next(iter(raising))
 
 
 def test_worker_processes_give_the_same_batches(cache):
