@@ -78,8 +78,17 @@ def main(argv: list[str] | None = None) -> dict:
     return summary
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int | str:
+    """main() with the user's mistakes as one line for sys.exit (a non-zero status) instead of a traceback: the
+    message says how to fix them, and a traceback would only bury it."""
     try:
-        main()
-    except ConfigError as error:  # a recipe/override mistake: the message says how to fix it, no traceback needed
-        sys.exit(f"config error: {error}")
+        main(argv)
+    except ConfigError as error:
+        return f"config error: {error}"
+    except loop.NonFiniteError as error:
+        return f"error: {error}"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

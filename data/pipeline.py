@@ -34,7 +34,8 @@ from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
 PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
-DEFAULT_CACHE_ROOT = ".cache"
+# Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
+DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
 

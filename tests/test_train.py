@@ -45,11 +45,9 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False) -> dict:
-    """train.main in-process on the tiny model and a small slice of the built-in data."""
-    args = [
-        "--config",
-        TINY,
+def run_args(out: Path, data_cache: Path, *overrides: str) -> list[str]:
+    """train.py's overrides for the tiny model on a small slice of the built-in data, 4 steps."""
+    return [
         f"train.output_dir={out}",
         f"data.cache_dir={data_cache}",
         "data.num_samples=48",
@@ -67,6 +65,11 @@ def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False
         "logging.report_to=none",
         *overrides,
     ]
+
+
+def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False) -> dict:
+    """train.main in-process on the tiny model and a small slice of the built-in data."""
+    args = ["--config", TINY, *run_args(out, data_cache, *overrides)]
     try:
         return train.main(args + (["--resume"] if resume else []))
     finally:
@@ -427,3 +430,35 @@ def test_gpu_run_with_fused_rope_reports_mfu(data_cache, tmp_path):
     )
     assert summary["fused_rope"] and summary["mfu"] is not None and summary["mfu"] > 0
     assert summary["peak_mem_gib"] > 0 and summary["loss_end"] < summary["loss_start"]
+
+
+def test_non_finite_loss_stops_without_saving_nan_weights(data_cache, tmp_path, monkeypatch):
+    """A non-finite loss at step 3 stops the run with a one-line error (non-zero exit status) naming the step: no
+    checkpoint after step 2 and no export, and metrics.jsonl stays strict JSON with no record of the bad step."""
+    original = loop.optimizer_step
+    calls = []
+
+    def poisoned_step(accelerator, module, *args):
+        calls.append(1)
+        loss_sum, label_count, grad_norm = original(accelerator, module, *args)
+        if len(calls) == 3:
+            with torch.no_grad():
+                next(module.parameters()).fill_(float("nan"))
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, label_count, grad_norm
+
+    monkeypatch.setattr(loop, "optimizer_step", poisoned_step)
+    out = tmp_path / "nan"
+    try:
+        message = train.cli(["--config", TINY, *run_args(out, data_cache)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert isinstance(message, str) and "non-finite at step 3" in message and "\n" not in message
+    assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["step_00000002"]
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+
+    def refuse(token):
+        raise ValueError(f"invalid JSON token {token}")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 2

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
 from training import metrics, optim, packed
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config
 
 log = logging.getLogger(__name__)
@@ -41,6 +41,10 @@ PADDED_MODEL_KEYS = (
     "pixel_values",
     "image_grid_thw",
 )
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm stopped being finite: the weights are no longer worth saving."""
 
 
 def mixed_precision(dtype: str) -> str:
@@ -342,6 +346,7 @@ def train(
     loss_acc = torch.zeros((), device=device)
     labels_acc = torch.zeros((), device=device)
     grad_norm_acc = torch.zeros((), device=device)
+    first_nonfinite_step = torch.zeros((), dtype=torch.long, device=device)  # 0 = none yet; set without a sync
     interval_clock, timed_clock = _Stopwatch(device), _Stopwatch(device)
     timed_counts = metrics.IntervalCounts()
     # The first steps of every launch (allocator growth, autotuning, compilation) are left out of the summary.
@@ -373,6 +378,10 @@ def train(
         loss_acc += loss_sum
         labels_acc += label_count
         grad_norm_acc += grad_norm
+        nonfinite = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        first_nonfinite_step = torch.where(
+            nonfinite & (first_nonfinite_step == 0), torch.full_like(first_nonfinite_step, step), first_nonfinite_step
+        )
         counts.steps += 1
         timed_counts.steps += timed_clock.running
         bar.update(1)
@@ -380,6 +389,7 @@ def train(
         if step == warmup_end:
             timed_clock.start()
         if step % lcfg.every_steps == 0 or step == tcfg.max_steps:
+            _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
             record = _log_interval(
                 accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
             )
@@ -400,6 +410,7 @@ def train(
                     result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
                     _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
                 if do_save:
+                    _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
                     checkpointer.save(step, batches.state_dict())
         result.steps = step
     bar.close()
@@ -418,6 +429,21 @@ def train(
     if cfg.checkpoint.save_final:
         checkpointer.save(result.steps, batches.state_dict())
     return result
+
+
+def _stop_if_nonfinite(accelerator: Accelerator, first_nonfinite_step: torch.Tensor, run_dir: Path) -> None:
+    """Raise NonFiniteError when any rank saw a non-finite loss or gradient norm (one sync; called at log intervals
+    and before every save, so no checkpoint or export ever holds NaN weights)."""
+    worst = accelerator.reduce(first_nonfinite_step.clone(), reduction="sum").item()  # > 0 iff some rank saw one
+    if worst == 0:
+        return
+    step = int(first_nonfinite_step.item()) or "?"
+    last = latest_checkpoint(run_dir)
+    raise NonFiniteError(
+        f"the loss or gradient norm became non-finite at step {step}; training stopped without saving. "
+        f"{'The last good checkpoint is ' + str(last) if last else 'No checkpoint was saved'}: lower train.lr or "
+        "set train.max_grad_norm > 0, and check the data."
+    )
 
 
 def _grids(batch: dict) -> list[tuple[int, int, int]]:
@@ -462,12 +488,19 @@ def _log_interval(
     }
 
 
+def json_line(record: dict) -> str:
+    """`record` as strict JSON: a non-finite float (a rate over an empty interval) becomes null, never the NaN or
+    Infinity tokens that json.dumps writes by default and JSON readers reject."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
 def _emit(accelerator: Accelerator, record: dict, metrics_file: Path, bar: tqdm) -> None:
     """Write one record to metrics.jsonl and the trackers (main process) and refresh the progress bar."""
     if not accelerator.is_main_process:
         return
     with metrics_file.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_line(record) + "\n")
     accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
     if "loss" in record:
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s_per_gpu']:.0f}", refresh=False)
