@@ -20,6 +20,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from training import checkpoint, loop, metrics, optim, parts, tracking
 from training.config import load_config
+from training.config_tree import ConfigError
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 
@@ -462,3 +463,103 @@ def test_non_finite_loss_stops_without_saving_nan_weights(data_cache, tmp_path, 
 
     records = [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 2
+
+
+def copy_run_until(run_dir: Path, step: int, to: Path) -> Path:
+    """A copy of a finished run's directory as a kill just before the checkpoint after `step` would leave it:
+    config.yaml, every metrics line (steps after `step` included), checkpoints up to `step`, no export, no summary."""
+    to.mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(run_dir / name, to / name)
+    for saved in checkpoint.checkpoint_dirs(run_dir):
+        if int(saved.name.removeprefix("step_")) <= step:
+            shutil.copytree(saved, to / "checkpoints" / saved.name)
+    return to
+
+
+def test_resume_logs_each_step_once_and_summarizes_the_whole_run(finished_run, data_cache, tmp_path):
+    """After a kill between checkpoints, --resume truncates metrics.jsonl to the checkpoint's step, so every step
+    is logged once with the uninterrupted run's loss, and summary.json describes the whole run (its first loss, its
+    step count, timed steps of both launches), not only the resumed launch."""
+    out, full_summary = finished_run
+    resumed = copy_run_until(out, 2, tmp_path / "resumed")
+    summary = run_train(resumed, data_cache, "checkpoint.keep_last=2", resume=True)
+    full = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    records = [r for r in read_metrics(resumed) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["loss"] for r in records] == [full[step]["loss"] for step in (1, 2, 3, 4)]
+    assert summary["loss_start"] == full_summary["loss_start"] and summary["loss_end"] == full_summary["loss_end"]
+    assert summary["steps"] == 4 and summary["timed_steps"] == 1 + 1  # step 2 (launch 1) + step 4 (launch 2)
+    assert json.loads((resumed / "summary.json").read_text()) == summary
+
+
+def test_changed_config_on_resume_is_refused_or_used_and_recorded(finished_run, data_cache, tmp_path):
+    """--resume with a setting that breaks exactness (train.lr, packing.max_tokens) is a ConfigError naming the
+    keys and the --allow-config-change flag; config.yaml is never overwritten; with the flag the new lr is what the
+    optimizer uses and what metrics.jsonl logs, recorded in config.resume-step<N>.yaml; a logging-only change passes."""
+    out, _ = finished_run
+    resumed = copy_run_until(out, 2, tmp_path / "changed")
+    original_config = (resumed / "config.yaml").read_text()
+    with pytest.raises(
+        ConfigError, match=r"packing.max_tokens 512 -> 1024, train.lr 0.001 -> 0.002.*--allow-config-change"
+    ):
+        run_train(resumed, data_cache, "train.lr=0.002", "packing.max_tokens=1024", resume=True)
+    args = ["--config", TINY, *run_args(resumed, data_cache, "train.lr=0.002"), "--resume", "--allow-config-change"]
+    try:
+        train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert (resumed / "config.yaml").read_text() == original_config
+    assert load_config(str(resumed / "config.resume-step00000002.yaml")).train.lr == 0.002
+    full = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    again = {r["step"]: r for r in read_metrics(resumed) if "loss" in r}
+    assert again[3]["lr"] == pytest.approx(2 * full[3]["lr"], rel=1e-12)
+    quiet = copy_run_until(out, 2, tmp_path / "quiet")
+    assert run_train(quiet, data_cache, "logging.every_steps=2", "checkpoint.export=false", resume=True)["steps"] == 4
+    assert load_config(str(quiet / "config.resume-step00000002.yaml")).logging.every_steps == 2
+
+
+KILL_DURING = {
+    # accelerate has written the model and optimizer of the final checkpoint, not yet its trainer state or marker
+    "checkpoint": "from training import checkpoint as target\n"
+    "original = target.Checkpointer.save\n"
+    "def patched(self, step, *args):\n"
+    "    if step == 4:\n"
+    "        self.accelerator.save_state(str(self.run_dir / 'checkpoints' / 'step_00000004'))\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return original(self, step, *args)\n"
+    "target.Checkpointer.save = patched\n",
+    # the export's weights are written, its processor not yet
+    "export": "import transformers\n"
+    "def patched(*args, **kwargs):\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "transformers.ProcessorMixin.save_pretrained = patched\n",
+}
+
+
+@pytest.mark.parametrize("moment", sorted(KILL_DURING))
+def test_kill_9_then_resume_ends_with_the_uninterrupted_weights(finished_run, data_cache, tmp_path, moment):
+    """A run killed with SIGKILL during its last checkpoint write, or during its export, and relaunched with
+    --resume ends complete (export loadable, summary.json of 4 steps, each step logged once) with exactly the final
+    weights of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    out, full_summary = finished_run
+    killed = tmp_path / moment
+    child = (
+        "import os, signal, sys\n"
+        + KILL_DURING[moment]
+        + "import train\n"
+        + f"sys.exit(train.cli({['--config', TINY, *run_args(killed, data_cache)]!r}))\n"
+    )
+    process = subprocess.run([sys.executable, "-c", child], cwd=Path(train.__file__).parent, capture_output=True)
+    assert process.returncode == -9, process.stderr.decode()[-2000:]
+    assert not (killed / "final").exists() and not (killed / "summary.json").exists()
+    summary = run_train(killed, data_cache, resume=True)
+    assert summary["steps"] == 4 and summary["loss_start"] == full_summary["loss_start"]
+    assert [r["step"] for r in read_metrics(killed) if "loss" in r] == [1, 2, 3, 4]
+    expected = load_file(out / "final" / "model.safetensors")
+    exported = load_file(killed / "final" / "model.safetensors")
+    assert expected.keys() == exported.keys()
+    assert all(torch.equal(expected[k], exported[k]) for k in expected)
+    assert AutoProcessor.from_pretrained(killed / "final", trust_remote_code=True) is not None

@@ -8,13 +8,14 @@ micro-step and every rank runs the vision tower every step (a text-only pack sen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from training import metrics, optim, packed
+from training import metrics, packed
 from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config
 
@@ -248,15 +249,19 @@ def _paused(*clocks: _Stopwatch):
 
 
 @dataclass
-class RunResult:
-    """What `train` hands back to train.py for the summary."""
+class TimedTotals:
+    """This rank's throughput totals over the timed steps (after each launch's `logging.timing_warmup_steps`) of
+    the whole run: saved in every checkpoint and restored on resume, so the summary's rates cover every launch."""
 
-    steps: int
-    logged: list[dict] = field(default_factory=list)
-    eval_loss: float | None = None
-    timed_steps: int = 0  # steps after `logging.timing_warmup_steps`, the ones the means below cover
-    tokens_per_s_per_gpu: float | None = None
-    mfu: float | None = None
+    steps: int = 0
+    tokens: float = 0.0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def plus(self, counts: metrics.IntervalCounts, seconds: float) -> TimedTotals:
+        return TimedTotals(
+            self.steps + counts.steps, self.tokens + counts.tokens, self.flops + counts.flops, self.seconds + seconds
+        )
 
 
 class Prefetcher:
@@ -326,8 +331,11 @@ def train(
     checkpointer: Checkpointer,
     run_dir: Path,
     start_step: int = 0,
-) -> RunResult:
-    """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way."""
+    timed_before: TimedTotals | None = None,
+) -> TimedTotals:
+    """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way.
+    Returns this rank's timed totals of the whole run: `timed_before` (restored from the checkpoint) plus this
+    launch's."""
     tcfg, lcfg = cfg.train, cfg.logging
     device = accelerator.device
     world = accelerator.num_processes
@@ -337,10 +345,10 @@ def train(
     )
     params = [p for p in module.parameters() if p.requires_grad]
     metrics_file = run_dir / "metrics.jsonl"
-    if start_step == 0 and accelerator.is_main_process:
-        metrics_file.unlink(missing_ok=True)  # a fresh run in an old directory starts a fresh record; resumes append
+    if accelerator.is_main_process:
+        keep_metrics_through(metrics_file, start_step)
     eval_start = eval_loader.state_dict() if eval_loader is not None else None
-    result = RunResult(steps=start_step)
+    timed_before = timed_before or TimedTotals()
 
     counts = metrics.IntervalCounts()
     loss_acc = torch.zeros((), device=device)
@@ -372,6 +380,7 @@ def train(
             counts.add_batch(b, budget_of(b), flops)
             if timed_clock.running:
                 timed_counts.add_batch(b, budget_of(b), flops)
+        lr = _llm_lr(optimizer)  # what this step really uses (the scheduler sets the next step's after it)
         loss_sum, label_count, grad_norm = optimizer_step(
             accelerator, module, optimizer, scheduler, params, host_batches, tcfg.max_grad_norm
         )
@@ -393,10 +402,7 @@ def train(
             record = _log_interval(
                 accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
             )
-            # train.lr on its schedule, whichever parts train (the per-part groups scale the same schedule)
-            lr = tcfg.lr * optim.lr_multiplier(step, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
             record.update(step=step, lr=lr)
-            result.logged.append(record)
             _emit(accelerator, record, metrics_file, bar)
             counts = metrics.IntervalCounts()
             loss_acc.zero_()
@@ -407,28 +413,42 @@ def train(
         if do_eval or do_save:
             with _paused(interval_clock, timed_clock):
                 if do_eval:
-                    result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
-                    _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
+                    eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+                    _emit(accelerator, {"step": step, "eval_loss": eval_loss}, metrics_file, bar)
                 if do_save:
                     _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
-                    checkpointer.save(step, batches.state_dict())
-        result.steps = step
+                    timed = timed_before.plus(timed_counts, timed_clock.elapsed)
+                    checkpointer.save(step, batches.state_dict(), dataclasses.asdict(timed))
     bar.close()
     batches.close()
 
-    seconds = timed_clock.stop()
-    totals = torch.tensor([timed_counts.tokens, timed_counts.flops], dtype=torch.float64, device=device)
-    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
-    result.timed_steps = timed_counts.steps
-    if timed_counts.steps:
-        result.tokens_per_s_per_gpu = tokens / (seconds * world)
-        result.mfu = None if peak is None else flops / (seconds * world) / peak
-    if eval_loader is not None and tcfg.eval_every and result.steps % tcfg.eval_every:
-        result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
-        _emit(accelerator, {"step": result.steps, "eval_loss": result.eval_loss}, metrics_file, bar)
+    timed = timed_before.plus(timed_counts, timed_clock.stop())
+    if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
+        eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+        _emit(accelerator, {"step": tcfg.max_steps, "eval_loss": eval_loss}, metrics_file, bar)
     if cfg.checkpoint.save_final:
-        checkpointer.save(result.steps, batches.state_dict())
-    return result
+        checkpointer.save(tcfg.max_steps, batches.state_dict(), dataclasses.asdict(timed))
+    return timed
+
+
+def _llm_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the LLM's parameter group (of the first group when the LLM is frozen)."""
+    groups = optimizer.param_groups
+    return next((g["lr"] for g in groups if g.get("name") == "llm"), groups[0]["lr"])
+
+
+def keep_metrics_through(metrics_file: Path, step: int) -> None:
+    """Keep metrics.jsonl's records of steps <= `step` (all of them for a fresh run: none): a resume from the
+    checkpoint at `step` logs the later steps again, and each step must appear once. A line torn by a kill is
+    dropped too."""
+    if not metrics_file.is_file():
+        return
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+    metrics_file.write_text("".join(kept))
 
 
 def _stop_if_nonfinite(accelerator: Accelerator, first_nonfinite_step: torch.Tensor, run_dir: Path) -> None:
@@ -471,13 +491,16 @@ def _log_interval(
             counts.vision_patches,
             counts.budget_tokens,
             counts.flops,
+            counts.skipped_samples,
         ],
         dtype=torch.float64,
     )
     packed_stats = torch.cat([torch.stack([loss_acc, labels_acc, grad_norm_acc]).double(), host.to(accelerator.device)])
     values = accelerator.reduce(packed_stats, reduction="sum").tolist()  # the one sync of the interval
-    loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops = values
-    summed = metrics.IntervalCounts(counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops)
+    loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops, skipped = values
+    summed = metrics.IntervalCounts(
+        counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
+    )
     peak_mem = (
         torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
     )
@@ -507,32 +530,49 @@ def _emit(accelerator: Accelerator, record: dict, metrics_file: Path, bar: tqdm)
     log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
 
+def read_metrics(metrics_file: Path) -> list[dict]:
+    if not metrics_file.is_file():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
 def summarize(
     accelerator: Accelerator,
-    result: RunResult,
+    cfg: Config,
+    timed: TimedTotals,
     run_dir: Path,
     wandb_dir: Path | None,
     export_dir: Path | None,
     fused_rope: bool,
 ) -> dict:
-    """Write `<run dir>/summary.json` (main process) and return it: losses, mean rates after warm-up, places."""
-    losses = [r["loss"] for r in result.logged if "loss" in r]
-    peaks = [r["peak_mem_gib"] for r in result.logged if r.get("peak_mem_gib") is not None]
+    """Write `<run dir>/summary.json` (main process) and return it, for the whole run however many launches it
+    took: losses, eval loss, peak memory and load-time skips from metrics.jsonl; mean rates over the timed steps
+    (`timed`, this rank's totals; one all-reduce)."""
+    world = accelerator.num_processes
+    totals = torch.tensor([timed.tokens, timed.flops], dtype=torch.float64, device=accelerator.device)
+    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
+    seconds = max(timed.seconds, 1e-9) * world
+    peak = metrics.peak_flops(accelerator.device, cfg.logging.peak_tflops)
+    records = read_metrics(run_dir / "metrics.jsonl") if accelerator.is_main_process else []
+    train_records = [r for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    peaks = [r["peak_mem_gib"] for r in train_records if r.get("peak_mem_gib") is not None]
     summary = {
-        "steps": result.steps,
-        "loss_start": losses[0] if losses else None,
-        "loss_end": losses[-1] if losses else None,
-        "eval_loss": result.eval_loss,
-        "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
-        "mfu": result.mfu,
-        "timed_steps": result.timed_steps,
+        "steps": train_records[-1]["step"] if train_records else cfg.train.max_steps,
+        "loss_start": train_records[0]["loss"] if train_records else None,
+        "loss_end": train_records[-1]["loss"] if train_records else None,
+        "eval_loss": evals[-1] if evals else None,
+        "tokens_per_s_per_gpu": tokens / seconds if timed.steps else None,
+        "mfu": flops / seconds / peak if timed.steps and peak is not None else None,
+        "timed_steps": timed.steps,
         "peak_mem_gib": max(peaks) if peaks else None,
-        "num_processes": accelerator.num_processes,
+        "samples_skipped_at_load": sum(r.get("skipped_samples", 0) for r in train_records),
+        "num_processes": world,
         "fused_rope": fused_rope,
         "run_dir": str(run_dir),
         "wandb_dir": None if wandb_dir is None else str(wandb_dir),
         "export_dir": None if export_dir is None else str(export_dir),
     }
     if accelerator.is_main_process:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
