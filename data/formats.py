@@ -13,6 +13,7 @@ import io
 import os
 from collections.abc import Mapping
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 SKIP_REASONS = (
@@ -28,6 +29,7 @@ SKIP_REASONS = (
 )
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 IMAGE_PLACEHOLDER = "<image>"
+TRANSPARENT_BACKGROUND = (255, 255, 255)  # white: what viewers and browsers show behind transparent pixels
 # Keys a turn or content item may hold: anything else is a layout we do not know, so we skip rather than guess.
 LLAVA_TURN_KEYS = frozenset({"from", "value"})
 MESSAGE_KEYS = frozenset({"role", "content"})
@@ -200,6 +202,40 @@ def resolve_ref(ref: Mapping, image_root: str | None) -> dict:
     return {"path": path, "bytes": ref.get("bytes")}
 
 
+def _scaled_to_8_bit(image: Image.Image) -> Image.Image:
+    """An "I;16*", "I" or "F" image as "L", scaled by the range its values really use: Pillow's own convert clips
+    them at 255 (a 16-bit scan turns almost all white). 16-bit modes: 0..65535. "I": 0..255 as is, 0..65535 as
+    16-bit, anything else min..max. "F": 0..1 as unit floats, 0..255 as is, anything else min..max (NaN as 0)."""
+    values = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    low, high = float(values.min()), float(values.max())
+    if image.mode.startswith("I;16"):
+        low, high = 0.0, 65535.0
+    elif image.mode == "F" and low >= 0 and high <= 1:
+        low, high = 0.0, 1.0
+    elif low >= 0 and high <= 255:
+        low, high = 0.0, 255.0
+    elif image.mode == "I" and low >= 0 and high <= 65535:
+        low, high = 0.0, 65535.0
+    scaled = (values - low) * (255.0 / (high - low)) if high > low else np.clip(values, 0, 255)
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image as 8-bit RGB, whatever its Pillow mode: high-bit-depth gray scaled by its range
+    (`_scaled_to_8_bit`), anything with transparency (RGBA, LA, La, PA, P/L/RGB with a transparent colour)
+    composited on TRANSPARENT_BACKGROUND, everything else (1, L, P, CMYK, YCbCr, HSV, ...) through Pillow's
+    conversion."""
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        return _scaled_to_8_bit(image).convert("RGB")
+    if image.mode == "La":  # premultiplied: Pillow converts it to LA only
+        image = image.convert("LA")
+    if image.mode in ("RGBA", "RGBa", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (*TRANSPARENT_BACKGROUND, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(ref: Mapping) -> Image.Image:
     """Decode a resolved reference to an RGB PIL image. SampleError: missing_image / corrupt_image."""
     source = ref.get("bytes")
@@ -214,7 +250,7 @@ def load_image(ref: Mapping) -> Image.Image:
             raise SampleError("missing_image", f"{path}: {error.strerror or error}") from None
     try:
         with Image.open(io.BytesIO(source)) as image:
-            return image.convert("RGB")
+            return to_rgb(image)
     except UnidentifiedImageError:
         raise SampleError("corrupt_image", f"{ref.get('path') or '<bytes>'}: not a recognised image format") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:  # truncated, damaged, huge
