@@ -20,7 +20,7 @@ import os
 import sys
 from pathlib import Path
 
-from training import checkpoint, loop, optim, resume, tracking
+from training import checkpoint, distributed, loop, optim, resume, tracking
 from training.config import load_config
 from training.config_tree import ConfigError
 from training.setup import build_accelerator, build_training
@@ -115,7 +115,7 @@ def cli(argv: list[str] | None = None) -> int | str:
         main(argv)
     except ConfigError as error:
         return f"config error: {error}"
-    except loop.NonFiniteError as error:
+    except (loop.NonFiniteError, distributed.LaunchError) as error:
         return f"error: {error}"
     return 0
 

@@ -30,6 +30,7 @@ from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whol
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
 from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
+from training.config_tree import ConfigError
 from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,8 @@ def load_processor(cfg):
     source = cfg.model.processor or cfg.model.name_or_path
     if source is None:
         return load_or_build_tiny_processor(cache_root(cfg), hf_config(cfg.model))
+    if cfg.model.processor and not os.path.isdir(source) and source.startswith(("/", "./", "../", "~")):
+        raise ConfigError(f"model.processor={source} is not a directory (a Hub id is 'owner/name').")
     try:
         return AutoProcessor.from_pretrained(source)
     except (ImportError, OSError, ValueError, AttributeError, TypeError) as error:
@@ -152,6 +155,7 @@ class StepLoader:
 
     `items(epoch)` yields the epoch's PackItems in order; `fetch(keys)` turns PackItem keys into processed rows;
     `collate(rows)` makes the batch. Every rank computes the same plan and takes its own pack of each step.
+    `stats` (DataStats, optional) lets the error for an empty epoch name its cause.
 
     An epoch holds a whole number of optimizer steps of `grad_accum_steps` micro-steps, so the trainer's
     `grad_accum_steps` consecutive batches never mix two epochs: the packs that cannot fill one more optimizer
@@ -173,6 +177,7 @@ class StepLoader:
         num_workers: int = 0,
         grad_accum_steps: int = 1,
         name: str = "train",
+        stats: DataStats | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
@@ -182,6 +187,7 @@ class StepLoader:
         self.packing = packing_cfg
         self.rank, self.world_size, self.seed, self.epochs = rank, world_size, seed, epochs
         self.num_workers, self.grad_accum_steps, self.name = num_workers, grad_accum_steps, name
+        self.stats = stats  # the data stats, for a hint when an epoch is empty
         self.epoch, self.step_in_epoch = 0, 0
         self._reported_epochs: set[int] = set()
 
@@ -229,13 +235,24 @@ class StepLoader:
                 yield batch
             if self.epochs is None and yielded == self.step_in_epoch == 0:
                 raise ValueError(
-                    f"an epoch has no batch for rank {self.rank} of {self.world_size}: too few kept samples "
-                    f"(see the data stats), or fewer packs than one optimizer step ({self.world_size} ranks x "
-                    f"{self.grad_accum_steps} micro-batches); add data or lower packing.max_tokens."
+                    f"an epoch has no batch for rank {self.rank} of {self.world_size}: {self._no_batch_hint()}"
                 )
             if self.rank == 0:
                 self._report_leftover(self.epoch, epoch_batches.leftover)
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def _no_batch_hint(self) -> str:
+        """Why an epoch may be empty and the fix, from the data stats when they show it."""
+        stats = self.stats
+        if stats is not None and stats.kept_train == 0 and stats.skipped["too_long"]:
+            return (
+                f"no sample was kept, {stats.skipped['too_long']} longer than packing.max_tokens="
+                f"{self.packing.max_tokens} (too_long); raise packing.max_tokens."
+            )
+        return (
+            f"too few kept samples (see the data stats), or fewer packs than one optimizer step ({self.world_size} "
+            f"ranks x {self.grad_accum_steps} micro-batches); add data or lower packing.max_tokens."
+        )
 
     def _report_leftover(self, epoch: int, walked: Leftover | None) -> None:
         """Log the epoch's left-over packs, once per epoch. `walked` is what this process recorded while walking
@@ -420,7 +437,12 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     num_workers = 0 if cfg.data.streaming else cfg.data.num_workers
     common["num_workers"] = num_workers
     train_loader = StepLoader(
-        train_items, seed=cfg.data.seed, epochs=None, grad_accum_steps=cfg.train.grad_accum_steps, **common
+        train_items,
+        seed=cfg.data.seed,
+        epochs=None,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        stats=stats,
+        **common,
     )
     eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, name="eval", **common)
     return train_loader, eval_loader, stats

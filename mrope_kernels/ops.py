@@ -28,8 +28,13 @@ _POSITION_DTYPES = (torch.int64, torch.int32)
 _NO_SECTIONS = [0, 0, 0]
 
 
+def runs_triton(device: torch.device) -> bool:
+    """Whether rotations on `device` run the Triton kernels (else the plain-PyTorch reference, same math)."""
+    return device.type == "cuda" or (device.type == "cpu" and triton_rope.RUNS_IN_INTERPRETER)
+
+
 def _runs_triton(x: torch.Tensor) -> bool:
-    return x.is_cuda or (x.device.type == "cpu" and triton_rope.RUNS_IN_INTERPRETER)
+    return runs_triton(x.device)
 
 
 def _rotate_into(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate) -> None:

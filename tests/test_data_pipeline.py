@@ -585,3 +585,15 @@ def test_undecodable_line_is_a_counted_skip_and_a_bom_keeps_the_first_record(tmp
     (tmp_path / "bad.json").write_bytes(b"\xef\xbb\xbf[" + json.dumps(good[0]).encode() + b', "\xff"]')
     with pytest.raises(ValueError, match=r"bad.json: byte \d+ is not valid UTF-8"):
         build(recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bad.json'}"))
+
+
+def test_every_sample_too_long_says_raise_max_tokens(tmp_path, cache):
+    """When every sample is longer than packing.max_tokens, the empty-epoch error says to raise it (lowering it
+    helps only when there are too few packs)."""
+    good = good_records(tmp_path)
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={tmp_path / 'long.jsonl'}", "data.eval_fraction=0", "packing.max_tokens=16")
+    train, _, stats, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    assert stats.skipped["too_long"] == len(good)
+    with pytest.raises(ValueError, match=r"raise packing\.max_tokens"):
+        next(iter(train))

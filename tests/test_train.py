@@ -4,7 +4,9 @@ the vision tower on text-only packs, and the MFU FLOP count against a hand count
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -563,3 +565,53 @@ def test_kill_9_then_resume_ends_with_the_uninterrupted_weights(finished_run, da
     assert expected.keys() == exported.keys()
     assert all(torch.equal(expected[k], exported[k]) for k in expected)
     assert AutoProcessor.from_pretrained(killed / "final", trust_remote_code=True) is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.seed=-1"], r"config error: train.seed must be in \[0, 2\*\*32\)"),
+        (["model.config=null", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model is not a"),
+        (["model.config=null", "model.name_or_path=./no-model"], "model.name_or_path=./no-model is not a directory"),
+        (["data.path=no/such/train.jsonl"], "data.path no/such/train.jsonl does not exist"),
+        (["train.output_dir={file}/run"], "train.output_dir=.*/a-file/run cannot be created"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_path):
+    """A bad seed, a model path or relative data path that does not exist (answered at once, without the Hub) and an
+    output directory that cannot be made each end train.py with one line naming the key, not a traceback."""
+    (tmp_path / "a-file").write_text("")
+    overrides = [o.format(file=tmp_path / "a-file") for o in overrides]
+    try:
+        result = train.cli(["--config", TINY, *run_args(tmp_path / "run", data_cache), *overrides])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert isinstance(result, str) and "\n" not in result
+    assert re.search(message, result), result
+
+
+def test_inspect_data_config_error_is_one_line():
+    """scripts/inspect_data.py answers a config mistake with one line and exit status 1, like train.py."""
+    process = subprocess.run(
+        [sys.executable, "scripts/inspect_data.py", "--config", TINY, "train.seed=-1"],
+        cwd=Path(train.__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == 1
+    assert process.stderr.strip().splitlines() == ["config error: train.seed must be in [0, 2**32), got -1."]
+
+
+def test_fused_rope_without_triton_says_it_runs_the_reference(data_cache, tmp_path, monkeypatch, caplog):
+    """kernels.mrope=fused on a CPU without TRITON_INTERPRET runs the PyTorch reference: the log warns so and the
+    summary's fused_rope is false, instead of claiming the Triton kernels ran."""
+    from mrope_kernels import triton_rope
+
+    monkeypatch.setattr(triton_rope, "RUNS_IN_INTERPRETER", False)
+    with caplog.at_level(logging.INFO):
+        summary = run_train(
+            tmp_path / "ref", data_cache, "kernels.mrope=fused", "train.max_steps=1", "train.eval_every=0"
+        )
+    assert summary["fused_rope"] is False
+    assert "plain-PyTorch reference, not the Triton kernels" in caplog.text
+    assert "rope: reference (fused ops, PyTorch math)" in caplog.text
