@@ -53,6 +53,17 @@ def prepare_run_dir(cfg) -> Path:
     return run_dir
 
 
+def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tuple[int, loop.TimedTotals]:
+    """Load the checkpoint into the prepared objects; (its step, the run's timed totals so far). The optimizer keeps
+    the config's hyperparameters, not the checkpoint's (they differ only with --allow-config-change)."""
+    configured = optim.config_hyperparameters(setup.optimizer)
+    step, state = checkpointer.load(directory)
+    optim.reapply_hyperparameters(setup.optimizer, setup.scheduler, configured)
+    setup.train_loader.load_state_dict(state["data"])
+    log.info("resumed from %s at step %d", directory, step)
+    return step, loop.TimedTotals(**state.get("timing", {}))
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
@@ -67,12 +78,7 @@ def main(argv: list[str] | None = None) -> dict:
     checkpointer = checkpoint.Checkpointer(accelerator, run_dir, cfg.checkpoint)
     start_step, timed = 0, loop.TimedTotals()
     if resume_from is not None:
-        configured = optim.config_hyperparameters(setup.optimizer)
-        start_step, state = checkpointer.load(resume_from)
-        optim.reapply_hyperparameters(setup.optimizer, setup.scheduler, configured)
-        setup.train_loader.load_state_dict(state["data"])
-        timed = loop.TimedTotals(**state.get("timing", {}))
-        log.info("resumed from %s at step %d", resume_from, start_step)
+        start_step, timed = restore(setup, checkpointer, resume_from)
     if accelerator.is_main_process:
         resume.record_config(cfg, run_dir, start_step if resume_from is not None else None, changes)
 
@@ -83,7 +89,8 @@ def main(argv: list[str] | None = None) -> dict:
         log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
         accelerator.end_training()
         return json.loads(summary_file.read_text())
-    if start_step < cfg.train.max_steps:
+    trains = start_step < cfg.train.max_steps
+    if trains:
         timed = loop.train(
             cfg,
             accelerator,
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
             start_step,
             timed,
         )
-    if cfg.checkpoint.export:  # also what a resume finishes when a kill interrupted the last export
+    if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
         checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype)
     summary = loop.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope

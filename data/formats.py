@@ -59,10 +59,11 @@ def _malformed(where: str, value, expected: str) -> SampleError:
 
 
 def _mapping(value, where: str, allowed_keys: frozenset[str]) -> Mapping:
-    """`value` itself when it is a mapping whose keys are all in `allowed_keys`; SampleError otherwise."""
+    """`value` itself when it is a mapping whose keys are all in `allowed_keys`; SampleError otherwise. A null
+    value counts as absent: arrow gives every row of a column the union of the rows' keys."""
     if not isinstance(value, Mapping):
         raise _malformed(where, value, "an object")
-    unknown = sorted(str(key) for key in value if key not in allowed_keys)
+    unknown = sorted(str(key) for key, item in value.items() if key not in allowed_keys and item is not None)
     if unknown:
         raise SampleError("malformed_record", f"{where} has unknown keys {unknown} (known: {sorted(allowed_keys)})")
     return value

@@ -553,11 +553,13 @@ def malformed_records(good):
 def test_malformed_records_are_counted_skips_with_their_line(tmp_path, cache):
     """Every record shape that is not a valid conversation (a turn that is not a mapping, content of the wrong
     type, nested lists, unknown keys, JSON nested past the recursion limit) is skipped as malformed_record, its
-    detail naming the 1-based line; good records all survive; with data.on_error=raise the first one stops the build
-    with an error naming its line."""
+    detail naming the 1-based line; good records all survive, one with an unknown key that is null too; with
+    data.on_error=raise the first one stops the build with an error naming its line."""
     good = good_records(tmp_path)
     malformed = malformed_records(good)
     lines = [json.dumps(r) for r in good[:2]] + [json.dumps(r) for r in malformed] + ["[" * 100000 + "]" * 100000]
+    human, reply = good[2]["conversations"]
+    good[2] = {**good[2], "conversations": [{**human, "weight": None}, reply]}  # null keys: arrow's key union
     lines += [json.dumps(r) for r in good[2:]]
     (tmp_path / "malformed.jsonl").write_text("\n".join(lines) + "\n")
     overrides = (f"data.path={tmp_path / 'malformed.jsonl'}", "data.eval_fraction=0")

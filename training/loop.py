@@ -448,7 +448,14 @@ def keep_metrics_through(metrics_file: Path, step: int) -> None:
         with contextlib.suppress(json.JSONDecodeError):
             if json.loads(line).get("step", 0) <= step:
                 kept.append(line + "\n")
-    metrics_file.write_text("".join(kept))
+    write_atomically(metrics_file, "".join(kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a kill leaves the old file or the new one, never a torn one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
 
 
 def _stop_if_nonfinite(accelerator: Accelerator, first_nonfinite_step: torch.Tensor, run_dir: Path) -> None:
@@ -574,5 +581,5 @@ def summarize(
         "export_dir": None if export_dir is None else str(export_dir),
     }
     if accelerator.is_main_process:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, allow_nan=False) + "\n")
+        write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary
