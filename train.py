@@ -20,6 +20,7 @@ import os
 import sys
 from pathlib import Path
 
+from data.formats import DataError
 from training import checkpoint, distributed, loop, optim, resume, tracking
 from training.config import load_config
 from training.config_tree import ConfigError
@@ -122,6 +123,8 @@ def cli(argv: list[str] | None = None) -> int | str:
         main(argv)
     except ConfigError as error:
         return f"config error: {error}"
+    except DataError as error:
+        return f"data error: {error}"
     except (loop.NonFiniteError, distributed.LaunchError) as error:
         return f"error: {error}"
     return 0

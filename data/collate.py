@@ -12,7 +12,7 @@ import logging
 import numpy as np
 import torch
 
-from data.formats import SampleError, load_image
+from data.formats import DataError, SampleError, load_image
 from data.processing import IGNORE_INDEX
 
 logger = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Collator:
                 row_images = [load_image(ref) for ref in row["images"]]
             except SampleError as error:
                 if self.raise_errors:
-                    raise ValueError(f"sample {row['sample_id']}: {error} (data.on_error=skip skips it)") from None
+                    raise DataError(f"sample {row['sample_id']}: {error} (data.on_error=skip skips it)") from None
                 logger.warning("skipping sample %s at load time (%s): %s", row["sample_id"], error.reason, error.detail)
                 out_rows.append(self.stand_in(row))
                 skipped += 1

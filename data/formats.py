@@ -36,6 +36,11 @@ MESSAGE_KEYS = frozenset({"role", "content"})
 CONTENT_ITEM_KEYS = frozenset({"type", "text", "image", "url", "path"})
 
 
+class DataError(ValueError):
+    """The data cannot be trained on as configured (an unreadable data.path, a bad record under
+    data.on_error=raise, an empty epoch); the message names the record or the setting to change."""
+
+
 class SampleError(Exception):
     """A record that cannot become a training sample; `reason` is one of SKIP_REASONS."""
 

@@ -25,7 +25,7 @@ from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Pretr
 from transformers.utils import cached_file
 
 from data.collate import Collator
-from data.formats import SKIP_REASONS
+from data.formats import SKIP_REASONS, DataError
 from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
@@ -234,7 +234,7 @@ class StepLoader:
                 self.step_in_epoch += 1
                 yield batch
             if self.epochs is None and yielded == self.step_in_epoch == 0:
-                raise ValueError(
+                raise DataError(
                     f"an epoch has no batch for rank {self.rank} of {self.world_size}: {self._no_batch_hint()}"
                 )
             if self.rank == 0:
@@ -316,13 +316,13 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
     if row["skip_reason"]:
         if raise_errors:  # the processed-dataset cache keeps skips from earlier `on_error: skip` runs
             detail = f"{row['skip_reason']}: {row['skip_detail']}"
-            raise ValueError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
+            raise DataError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
         stats.skip(row["skip_reason"], row["sample_id"], row["skip_detail"])
         return None
     if row["length"] > max_tokens:
         detail = f"{row['length']} tokens > packing.max_tokens {max_tokens}"
         if raise_errors:
-            raise ValueError(f"sample {row['sample_id']}: too_long: {detail} (data.on_error=skip skips it)")
+            raise DataError(f"sample {row['sample_id']}: too_long: {detail} (data.on_error=skip skips it)")
         stats.skip("too_long", row["sample_id"], detail)
         return None
     return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))

@@ -16,7 +16,7 @@ import torch
 from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from data.formats import SampleError, load_image, normalize_record, resolve_ref
+from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
 from data.positions import rope_index_fn
 
 IGNORE_INDEX = -100
@@ -129,7 +129,7 @@ class SampleProcessor:
             return self.process(record, sample_id)
         except SampleError as error:
             if self.raise_errors:
-                raise ValueError(f"sample {sample_id} ({location}): {error} (data.on_error=skip skips it)") from None
+                raise DataError(f"sample {sample_id} ({location}): {error} (data.on_error=skip skips it)") from None
             if sample_id != location:  # a record with an id: say where it is too
                 error.detail = f"{location}: {error.detail}"
             return _skipped(sample_id, error)

@@ -18,6 +18,7 @@ from pathlib import Path
 from datasets import Dataset, Image, IterableDataset, List, load_dataset, load_from_disk
 
 from data.config import DataConfig
+from data.formats import DataError
 from data.processing import RECORD_JSON_COLUMN, RECORD_JSON_FEATURES, RECORD_LOCATION_COLUMN
 from data.synthetic import write_builtin_dataset
 from training.config_tree import ConfigError
@@ -41,14 +42,14 @@ def _json_list(path: str) -> list:
         with open(path, encoding="utf-8-sig") as handle:
             records = json.load(handle)
     except UnicodeDecodeError as error:
-        raise ValueError(
+        raise DataError(
             f"data.path {path}: byte {error.start} is not valid UTF-8 (or use JSONL, one record a line, "
             "where a bad line is skipped)"
         ) from None
     except (json.JSONDecodeError, RecursionError) as error:
-        raise ValueError(f"data.path {path} is not valid JSON: {error}") from None
+        raise DataError(f"data.path {path} is not valid JSON: {error}") from None
     if not isinstance(records, list):
-        raise ValueError(f"data.path {path}: a .json file must hold a list of records, got {type(records).__name__}")
+        raise DataError(f"data.path {path}: a .json file must hold a list of records, got {type(records).__name__}")
     return records
 
 
@@ -119,7 +120,7 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
     suffix = Path(path).suffix.lower()
     if local and os.path.isfile(path) and suffix in (".json", ".jsonl"):
         if _head(path) in (b"", b"[]"):
-            raise ValueError(f"data.path {path} holds no records: point it at a JSON list or JSONL file of samples.")
+            raise DataError(f"data.path {path} holds no records: point it at a JSON list or JSONL file of samples.")
         if _head(path).startswith(b"["):
             _json_list(path)  # a broken list fails here with its one-line reason, not inside datasets' builder
         kwargs = {"path": os.path.abspath(path), "content_digest": file_digest(path)}
@@ -131,7 +132,7 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
             )
     elif local and os.path.isfile(path):
         if suffix not in FILE_BUILDERS:
-            raise ValueError(f"data.path {path}: unsupported file type {suffix!r}; use json(l), parquet, arrow, csv.")
+            raise DataError(f"data.path {path}: unsupported file type {suffix!r}; use json(l), parquet, arrow, csv.")
         dataset = load_dataset(
             FILE_BUILDERS[suffix], data_files=path, split="train", streaming=streaming, cache_dir=data_cfg.cache_dir
         )

@@ -17,6 +17,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
 from training.config import load_config
@@ -98,3 +99,5 @@ if __name__ == "__main__":
         main()
     except ConfigError as error:  # a recipe/override mistake: one line that says how to fix it, as train.py does
         sys.exit(f"config error: {error}")
+    except DataError as error:
+        sys.exit(f"data error: {error}")

@@ -575,12 +575,15 @@ def test_kill_9_then_resume_ends_with_the_uninterrupted_weights(finished_run, da
         (["model.config=null", "model.name_or_path=./no-model"], "model.name_or_path=./no-model is not a directory"),
         (["data.path=no/such/train.jsonl"], "data.path no/such/train.jsonl does not exist"),
         (["train.output_dir={file}/run"], "train.output_dir=.*/a-file/run cannot be created"),
+        (["data.path={file}.json"], r"data error: data.path .*a-file.json is not valid JSON"),
     ],
 )
 def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_path):
-    """A bad seed, a model path or relative data path that does not exist (answered at once, without the Hub) and an
-    output directory that cannot be made each end train.py with one line naming the key, not a traceback."""
+    """A bad seed, a model path or relative data path that does not exist (answered at once, without the Hub), an
+    output directory that cannot be made and a broken JSON data file each end train.py with one line naming the key
+    or file, not a traceback."""
     (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-file.json").write_text('[{"id": 1},')
     overrides = [o.format(file=tmp_path / "a-file") for o in overrides]
     try:
         result = train.cli(["--config", TINY, *run_args(tmp_path / "run", data_cache), *overrides])
