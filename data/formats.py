@@ -80,6 +80,10 @@ def _string(value, where: str) -> str:
         return ""
     if not isinstance(value, str):
         raise _malformed(where, value, "a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer accepts
+        raise SampleError("malformed_record", f"{where} holds an unpaired UTF-16 surrogate (not valid text)") from None
     return value
 
 
@@ -140,7 +144,7 @@ def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict]]:
 def _content_items(content, where: str) -> tuple[list[dict], list[dict]]:
     """(items, inline image references) of a message's `content`: a string, null, or a list of item objects."""
     if content is None or isinstance(content, str):
-        return _split_placeholders(content or ""), []
+        return _split_placeholders(_string(content, where)), []
     if not isinstance(content, list):
         raise _malformed(where, content, "a string or a list of items")
     items, images = [], []
@@ -254,6 +258,8 @@ def load_image(ref: Mapping) -> Image.Image:
                 source = handle.read()
         except OSError as error:
             raise SampleError("missing_image", f"{path}: {error.strerror or error}") from None
+        except ValueError as error:  # a NUL byte or a lone surrogate: no file can have that name
+            raise SampleError("missing_image", f"{path!r} is not a valid file name ({error})") from None
     try:
         with Image.open(io.BytesIO(source)) as image:
             return to_rgb(image)

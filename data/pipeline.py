@@ -119,8 +119,8 @@ def image_files_signature(records: Dataset, sample_processor: SampleProcessor) -
             try:
                 stat = os.stat(path)
                 digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-            except OSError:
-                digest.update(f"{path}\0missing\n".encode())
+            except (OSError, ValueError):  # ValueError: a name no file can have (NUL byte, lone surrogate)
+                digest.update(f"{path!r}\0missing\n".encode())
     return digest.hexdigest()
 
 

@@ -55,11 +55,16 @@ def image_size_kwargs(image_processor, min_pixels: int | None, max_pixels: int |
     return {"size": {"shortest_edge": shortest, "longest_edge": longest}}
 
 
+def _storable(text: str) -> str:
+    """`text` with lone surrogates (from JSON "\\ud800" escapes) escaped: arrow stores only valid UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _skipped(sample_id: str, error: SampleError) -> dict:
     return {
         "sample_id": sample_id,
         "skip_reason": error.reason,
-        "skip_detail": error.detail,
+        "skip_detail": _storable(error.detail),
         "input_ids": [],
         "labels": [],
         "mrope_positions": [],
@@ -125,7 +130,7 @@ class SampleProcessor:
         sample_id = location
         try:
             record = _parsed(record)
-            sample_id = str(record.get("id", location))
+            sample_id = _storable(str(record.get("id", location)))
             return self.process(record, sample_id)
         except SampleError as error:
             if self.raise_errors:

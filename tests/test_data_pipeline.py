@@ -547,14 +547,15 @@ def malformed_records(good):
         },
         {"messages": [{"role": "user", "content": content, "extra": 1}, {"role": "assistant", "content": "x"}]},
         {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}, "assistant says"]},
+        {**single, "id": "lone-\ud800", "conversations": [human, {"from": "gpt", "value": "a lone \udfff"}]},
     ]
 
 
 def test_malformed_records_are_counted_skips_with_their_line(tmp_path, cache):
     """Every record shape that is not a valid conversation (a turn that is not a mapping, content of the wrong
-    type, nested lists, unknown keys, JSON nested past the recursion limit) is skipped as malformed_record, its
-    detail naming the 1-based line; good records all survive, one with an unknown key that is null too; with
-    data.on_error=raise the first one stops the build with an error naming its line."""
+    type, nested lists, unknown keys, lone surrogates, JSON nested past the recursion limit) is skipped as
+    malformed_record, its detail naming the 1-based line; good records all survive, one with an unknown key that is
+    null too; with data.on_error=raise the first one stops the build with an error naming its line."""
     good = good_records(tmp_path)
     malformed = malformed_records(good)
     lines = [json.dumps(r) for r in good[:2]] + [json.dumps(r) for r in malformed] + ["[" * 100000 + "]" * 100000]
