@@ -57,6 +57,7 @@ def test_unknown_key_names_the_nearest_valid_key(override, nearest):
         ("train.seed=-1", r"train.seed must be in \[0, 2\*\*32\)"),
         ("data.seed=4294967296", r"data.seed must be in \[0, 2\*\*32\)"),
         ("data.max_pixels=0", "data.max_pixels must be >= 1"),
+        ("model.config.text_config.rms_norm_eps=.nan", "'model.config.text_config.rms_norm_eps' must be a finite"),
     ],
 )
 def test_bad_values_fail_clearly(override, message):

@@ -54,6 +54,18 @@ def _finite_float(value: Any, where: str) -> float:
     return float(number)
 
 
+def _check_finite_leaves(value: Any, where: str) -> None:
+    """Free-form mappings (a model config) are not typed, but a nan or inf in them is never meant either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"'{where}' must be a finite number, got {value!r}.")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite_leaves(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_finite_leaves(item, f"{where}[{index}]")
+
+
 def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Check/convert a YAML value against a field's annotation (the subset of types configs use)."""
     origin = typing.get_origin(typ)
@@ -90,6 +102,7 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typ is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"'{where}' expects a mapping, got {value!r}.")
+        _check_finite_leaves(value, where)
         return value
     if typ is Any:
         return value
