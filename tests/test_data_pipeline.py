@@ -316,8 +316,11 @@ def test_streaming_matches_in_memory(tmp_path, cache):
 
 def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
     """The processed cache is reused while nothing it depends on changed, and rebuilt when an image file is
-    deleted (a missing_image skip), restored (kept again), the data file is rewritten with the same size and mtime,
-    or a pixel bound changes; inspect_data.py's bare model config and train.py's built model share one cache."""
+    deleted (a missing_image skip), restored (kept again), broken and fixed in place, the data file is rewritten
+    with the same size and mtime, or a pixel bound changes; inspect_data.py's bare model config and train.py's
+    built model share one cache."""
+    from PIL import Image as PILImage
+
     from data import processing
 
     calls = []
@@ -346,6 +349,12 @@ def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
     moved.rename(image)  # the same file again: the first build's rows are right, and are reused
     stats, _ = build_counting()
     assert not stats.skipped and stats.kept_train == len(good)
+    image.write_bytes(b"broken")  # rewritten in place: reprocessed (a corrupt_image skip), then fixed again
+    stats, processed = build_counting()
+    assert processed > 0 and stats.skipped["corrupt_image"] == 1
+    PILImage.new("RGB", (40, 30), "blue").save(image, format="PNG")
+    stats, processed = build_counting()
+    assert processed > 0 and not stats.skipped and stats.kept_train == len(good)
     stat = data_file.stat()
     data_file.write_text(data_file.read_text().replace(good[0]["id"], good[0]["id"][::-1]))
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
