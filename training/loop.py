@@ -388,9 +388,7 @@ def train(
         labels_acc += label_count
         grad_norm_acc += grad_norm
         nonfinite = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
-        first_nonfinite_step = torch.where(
-            nonfinite & (first_nonfinite_step == 0), torch.full_like(first_nonfinite_step, step), first_nonfinite_step
-        )
+        first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
         counts.steps += 1
         timed_counts.steps += timed_clock.running
         bar.update(1)
