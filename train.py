@@ -3,6 +3,9 @@
     python train.py --config recipes/smoke.yaml [dotted.key=value ...] [--resume]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train.py --config recipes/qwen2_5_vl-3b.yaml
 
+`--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (training/resume.py;
+`--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
+
 Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer
 (training/setup.py) → loop (training/loop.py) → export and summary. The run directory (`train.output_dir`)
 receives config.yaml, metrics.jsonl, summary.json, checkpoints/, final/ and wandb/.
@@ -13,11 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
-from training import checkpoint, loop, tracking
-from training.config import load_config, save_config
+from data.formats import DataError
+from training import checkpoint, distributed, loop, optim, resume, tracking
+from training.config import load_config
 from training.config_tree import ConfigError
 from training.setup import build_accelerator, build_training
 
@@ -28,8 +33,36 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/smoke.yaml")
     parser.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint, if any")
+    parser.add_argument(
+        resume.ALLOW_FLAG,
+        action="store_true",
+        help="with --resume: use settings that differ from the run's config.yaml even where that breaks exactness",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=50")
     return parser.parse_args(argv)
+
+
+def prepare_run_dir(cfg) -> Path:
+    """The run directory, created; a ConfigError naming train.output_dir when it cannot be."""
+    run_dir = Path(cfg.train.output_dir)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"train.output_dir={run_dir} cannot be created: {error.strerror or error}") from None
+    if not os.access(run_dir, os.W_OK | os.X_OK):
+        raise ConfigError(f"train.output_dir={run_dir} is not writable.")
+    return run_dir
+
+
+def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tuple[int, loop.TimedTotals]:
+    """Load the checkpoint into the prepared objects; (its step, the run's timed totals so far). The optimizer keeps
+    the config's hyperparameters, not the checkpoint's (they differ only with --allow-config-change)."""
+    configured = optim.config_hyperparameters(setup.optimizer)
+    step, state = checkpointer.load(directory)
+    optim.reapply_hyperparameters(setup.optimizer, setup.scheduler, configured)
+    setup.train_loader.load_state_dict(state["data"])
+    log.info("resumed from %s at step %d", directory, step)
+    return step, loop.TimedTotals(**state.get("timing", {}))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,49 +70,65 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
     accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
-    run_dir = Path(cfg.train.output_dir)
-    if accelerator.is_main_process:
-        save_config(cfg, run_dir / "config.yaml")
+    run_dir = prepare_run_dir(cfg)
+    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)
     setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
 
     checkpointer = checkpoint.Checkpointer(accelerator, run_dir, cfg.checkpoint)
-    start_step = 0
-    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    start_step, timed = 0, loop.TimedTotals()
     if resume_from is not None:
-        start_step, data_state = checkpointer.load(resume_from)
-        setup.train_loader.load_state_dict(data_state)
-        log.info("resumed from %s at step %d", resume_from, start_step)
-    if start_step >= cfg.train.max_steps:  # a finished run: keep its summary and export as they are
+        start_step, timed = restore(setup, checkpointer, resume_from)
+    if accelerator.is_main_process:
+        resume.record_config(cfg, run_dir, start_step if resume_from is not None else None, changes)
+
+    summary_file = run_dir / "summary.json"
+    export_dir = run_dir / "final"
+    needs_export = cfg.checkpoint.export and not checkpoint.export_complete(export_dir)
+    if start_step >= cfg.train.max_steps and summary_file.is_file() and not needs_export:
         log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
         accelerator.end_training()
-        summary_file = run_dir / "summary.json"
-        return json.loads(summary_file.read_text()) if summary_file.is_file() else {"steps": start_step}
-
-    result = loop.train(
-        cfg,
-        accelerator,
-        setup.module,
-        setup.optimizer,
-        setup.scheduler,
-        setup.train_loader,
-        setup.eval_loader,
-        setup.flop_profile,
-        checkpointer,
-        run_dir,
-        start_step,
+        return json.loads(summary_file.read_text())
+    trains = start_step < cfg.train.max_steps
+    if trains:
+        timed = loop.train(
+            cfg,
+            accelerator,
+            setup.module,
+            setup.optimizer,
+            setup.scheduler,
+            setup.train_loader,
+            setup.eval_loader,
+            setup.flop_profile,
+            checkpointer,
+            run_dir,
+            start_step,
+            timed,
+        )
+    if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
+        checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype)
+    summary = loop.summarize(
+        accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )
-    export_dir = None
-    if cfg.checkpoint.export:
-        export_dir = checkpoint.export(accelerator, setup.module, setup.processor, run_dir / "final", cfg.model.dtype)
-    summary = loop.summarize(accelerator, result, run_dir, wandb_dir, export_dir, setup.fused_rope)
     accelerator.wait_for_everyone()  # ranks tear the process group down together (gloo hangs otherwise)
     accelerator.end_training()
     return summary
 
 
-if __name__ == "__main__":
+def cli(argv: list[str] | None = None) -> int | str:
+    """main() with the user's mistakes as one line for sys.exit (a non-zero status) instead of a traceback: the
+    message says how to fix them, and a traceback would only bury it."""
     try:
-        main()
-    except ConfigError as error:  # a recipe/override mistake: the message says how to fix it, no traceback needed
-        sys.exit(f"config error: {error}")
+        main(argv)
+    except ConfigError as error:
+        return f"config error: {error}"
+    except DataError as error:
+        return f"data error: {error}"
+    except (loop.NonFiniteError, distributed.LaunchError) as error:
+        return f"error: {error}"
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -7,13 +7,16 @@ t+1 of the same sample, and -100 at each sample's last token, so no position pre
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
-from data.formats import load_image
+from data.formats import DataError, SampleError, load_image
 from data.processing import IGNORE_INDEX
-from data.video import VideoSettings, load_clip, video_patches
+from data.video import Clip, VideoSettings, load_clip, video_patches
 
+logger = logging.getLogger(__name__)
 TEXT, IMAGE, VIDEO = 0, 1, 2
 
 
@@ -22,7 +25,8 @@ class Collator:
 
     Args: image_processor (makes pixel_values and, frame by frame, pixel_values_videos; must be the one the rows
     were processed with), image_kwargs (the pixel-bound overrides used at processing), image_token_id /
-    video_token_id / pad_token_id (the model's ids), video (the VideoSettings used at processing).
+    video_token_id / pad_token_id (the model's ids), video (the VideoSettings used at processing), raise_errors
+    (data.on_error=raise: an image or video that no longer loads is an error instead of a counted skip).
     """
 
     def __init__(
@@ -33,6 +37,7 @@ class Collator:
         video_token_id: int,
         pad_token_id: int | None,
         video: VideoSettings,
+        raise_errors: bool = False,
     ):
         self.image_processor = image_processor
         self.image_kwargs = image_kwargs
@@ -40,6 +45,46 @@ class Collator:
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else 0
+        self.raise_errors = raise_errors
+
+    def stand_in(self, row: dict) -> dict:
+        """A row of the same length with no image, no video and no label: it keeps the pack (and so the plan, the
+        rank balance and the resume position) as planned while contributing nothing to the loss."""
+        length = int(row["length"])
+        return {
+            **row,
+            "input_ids": [self.pad_token_id] * length,
+            "labels": [IGNORE_INDEX] * length,
+            "mrope_positions": [list(range(length))] * 3,
+            "image_grid_thw": [],
+            "images": [],
+            "video_grid_thw": [],
+            "videos": [],
+            "second_per_grid_ts": [],
+            "num_patches": 0,
+        }
+
+    def decoded(self, rows: list[dict]) -> tuple[list[dict], list, list[Clip], int]:
+        """(rows, their images and video clips decoded in order, how many rows were replaced by stand-ins).
+
+        The processed-data cache checks every image file when it is built, but a file can still vanish or break
+        while the run reads it: that sample becomes a logged stand-in instead of a crash in a loader worker."""
+        out_rows, images, clips, skipped = [], [], [], 0
+        for row in rows:
+            try:
+                row_images = [load_image(ref) for ref in row["images"]]
+                row_clips = [load_clip(ref, self.video.fps, self.video.max_frames) for ref in row["videos"]]
+            except SampleError as error:
+                if self.raise_errors:
+                    raise DataError(f"sample {row['sample_id']}: {error} (data.on_error=skip skips it)") from None
+                logger.warning("skipping sample %s at load time (%s): %s", row["sample_id"], error.reason, error.detail)
+                out_rows.append(self.stand_in(row))
+                skipped += 1
+                continue
+            out_rows.append(row)
+            images += row_images
+            clips += row_clips
+        return out_rows, images, clips, skipped
 
     def sample_arrays(self, row: dict) -> dict[str, np.ndarray]:
         """Per-sample arrays: input_ids (L,), shift_labels (L,), positions (4, L), token_types (L,)."""
@@ -59,13 +104,13 @@ class Collator:
             "token_types": token_types,
         }
 
-    def vision_inputs(self, rows: list[dict]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """pixel_values (P, C·tp·p·p) float32 and image_grid_thw (n_images, 3) long, in sample order; or Nones."""
-        refs = [ref for row in rows for ref in row["images"]]
-        if not refs:
+    def vision_inputs(self, rows: list[dict], images: list) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """pixel_values (P, C·tp·p·p) float32 and image_grid_thw (n_images, 3) long, in sample order; or Nones.
+        `images`: the rows' decoded images, in order."""
+        if not images:
             return None, None
         stored = torch.tensor([grid for row in rows for grid in row["image_grid_thw"]], dtype=torch.long)
-        out = self.image_processor(images=[load_image(ref) for ref in refs], return_tensors="pt", **self.image_kwargs)
+        out = self.image_processor(images=images, return_tensors="pt", **self.image_kwargs)
         if not torch.equal(out["image_grid_thw"].long(), stored):
             raise RuntimeError(
                 "image grids differ from the processed dataset's: the image processor or data.min/max_pixels changed "
@@ -73,16 +118,14 @@ class Collator:
             )
         return out["pixel_values"].float(), stored
 
-    def video_inputs(self, rows: list[dict]) -> dict:
+    def video_inputs(self, rows: list[dict], clips: list[Clip]) -> dict:
         """pixel_values_videos (P, C·tp·p·p) float32, video_grid_thw (n_videos, 3) long and second_per_grid_ts
-        (n_videos,) float64, in sample order; or Nones."""
-        refs = [ref for row in rows for ref in row["videos"]]
-        if not refs:
+        (n_videos,) float64, in sample order; or Nones. `clips`: the rows' decoded videos, in order."""
+        if not clips:
             return {"pixel_values_videos": None, "video_grid_thw": None, "second_per_grid_ts": None}
         stored = torch.tensor([grid for row in rows for grid in row["video_grid_thw"]], dtype=torch.long)
         patches, grids = [], []
-        for ref in refs:
-            clip = load_clip(ref, self.video.fps, self.video.max_frames)
+        for clip in clips:
             pixels, grid = video_patches(self.image_processor, self.video.size_kwargs, clip)
             patches.append(pixels)
             grids.append(grid)
@@ -96,9 +139,12 @@ class Collator:
         return {"pixel_values_videos": torch.cat(patches), "video_grid_thw": stored, "second_per_grid_ts": seconds}
 
     @staticmethod
-    def counts(input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict]) -> dict:
+    def counts(
+        input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict], skipped: int
+    ) -> dict:
         num_image_tokens = int((token_types == IMAGE).sum())
         return {
+            "num_skipped_samples": skipped,
             "num_label_tokens": int((shift_labels != IGNORE_INDEX).sum()),
             "num_text_tokens": int((token_types == TEXT).sum()),
             "num_image_tokens": num_image_tokens,
@@ -112,6 +158,7 @@ class Collator:
         mm_token_type_ids (1, T) int32, cu_seqlens (n+1,) int32, max_seqlen int, seq_idx (1, T) int32,
         pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts, and the
         Python-int counts."""
+        rows, images, clips, skipped = self.decoded(rows)
         parts = [self.sample_arrays(row) for row in rows]
         lengths = [len(p["input_ids"]) for p in parts]
         input_ids = np.concatenate([p["input_ids"] for p in parts])
@@ -121,7 +168,7 @@ class Collator:
         cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int32)
         np.cumsum(lengths, out=cu_seqlens[1:])
         seq_idx = np.repeat(np.arange(len(lengths), dtype=np.int32), lengths)
-        pixel_values, image_grid_thw = self.vision_inputs(rows)
+        pixel_values, image_grid_thw = self.vision_inputs(rows, images)
         return {
             "input_ids": torch.from_numpy(input_ids)[None],
             "position_ids": torch.from_numpy(positions)[:, None],
@@ -129,17 +176,18 @@ class Collator:
             "mm_token_type_ids": torch.from_numpy(token_types.astype(np.int32))[None],
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
-            **self.video_inputs(rows),
+            **self.video_inputs(rows, clips),
             "cu_seqlens": torch.from_numpy(cu_seqlens),
             "max_seqlen": max(lengths),
             "seq_idx": torch.from_numpy(seq_idx)[None],
-            **self.counts(input_ids, shift_labels, token_types, rows),
+            **self.counts(input_ids, shift_labels, token_types, rows, skipped),
         }
 
     def padded(self, rows: list[dict]) -> dict:
         """B samples right-padded to S = the longest: input_ids (B, S) long, attention_mask (B, S) long,
         position_ids (4, B, S) long (0 on padding), shift_labels (B, S) long (-100 on padding),
         mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, the video inputs, and the Python-int counts."""
+        rows, images, clips, skipped = self.decoded(rows)
         parts = [self.sample_arrays(row) for row in rows]
         batch, width = len(parts), max(len(p["input_ids"]) for p in parts)
         input_ids = np.full((batch, width), self.pad_token_id, dtype=np.int64)
@@ -154,7 +202,7 @@ class Collator:
             shift_labels[b, :n] = part["shift_labels"]
             token_types[b, :n] = part["token_types"]
             positions[:, b, :n] = part["positions"]
-        pixel_values, image_grid_thw = self.vision_inputs(rows)
+        pixel_values, image_grid_thw = self.vision_inputs(rows, images)
         real = attention_mask.astype(bool)
         return {
             "input_ids": torch.from_numpy(input_ids),
@@ -164,6 +212,6 @@ class Collator:
             "mm_token_type_ids": torch.from_numpy(token_types),
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
-            **self.video_inputs(rows),
-            **self.counts(input_ids[real], shift_labels[real], token_types[real], rows),
+            **self.video_inputs(rows, clips),
+            **self.counts(input_ids[real], shift_labels[real], token_types[real], rows, skipped),
         }

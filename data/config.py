@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.config_tree import ConfigError
+from training.config_tree import ConfigError, check_seed
 
 
 @dataclass
@@ -36,6 +36,12 @@ class DataConfig:
             raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
         if self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
+        if self.num_samples < 1:
+            raise ConfigError(f"data.num_samples must be >= 1, got {self.num_samples}.")
+        for key in ("min_pixels", "max_pixels"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ConfigError(f"data.{key} must be >= 1 or null, got {getattr(self, key)}.")
+        check_seed("data.seed", self.seed)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels}).")
         if not 0.0 <= self.video_share <= 1.0:
@@ -65,5 +71,7 @@ class PackingConfig:
             raise ConfigError(f"packing.buffer_size must be >= 1, got {self.buffer_size}.")
         if self.padded_batch_size < 1:
             raise ConfigError(f"packing.padded_batch_size must be >= 1, got {self.padded_batch_size}.")
+        if self.vision_cost_weight < 0:
+            raise ConfigError(f"packing.vision_cost_weight must be >= 0, got {self.vision_cost_weight}.")
         if self.balance_window_steps < 1:
             raise ConfigError(f"packing.balance_window_steps must be >= 1, got {self.balance_window_steps}.")

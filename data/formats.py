@@ -15,10 +15,13 @@ import os
 import re
 from collections.abc import Mapping
 
+import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 SKIP_REASONS = (
     "unknown_format",
+    "malformed_record",
+    "undecodable_line",
     "missing_image",
     "corrupt_image",
     "image_count_mismatch",
@@ -36,6 +39,16 @@ LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant":
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
+TRANSPARENT_BACKGROUND = (255, 255, 255)  # white: what viewers and browsers show behind transparent pixels
+# Keys a turn or content item may hold: anything else is a layout we do not know, so we skip rather than guess.
+LLAVA_TURN_KEYS = frozenset({"from", "value"})
+MESSAGE_KEYS = frozenset({"role", "content"})
+CONTENT_ITEM_KEYS = frozenset({"type", "text", "image", "video", "url", "path"})
+
+
+class DataError(ValueError):
+    """The data cannot be trained on as configured (an unreadable data.path, a bad record under
+    data.on_error=raise, an empty epoch); the message names the record or the setting to change."""
 
 
 class SampleError(Exception):
@@ -56,6 +69,34 @@ def detect_format(record: Mapping) -> str:
     raise SampleError("unknown_format", f"no 'conversations' or 'messages' list in keys {sorted(record)}")
 
 
+def _malformed(where: str, value, expected: str) -> SampleError:
+    return SampleError("malformed_record", f"{where} is {type(value).__name__}, not {expected}")
+
+
+def _mapping(value, where: str, allowed_keys: frozenset[str]) -> Mapping:
+    """`value` itself when it is a mapping whose keys are all in `allowed_keys`; SampleError otherwise. A null
+    value counts as absent: arrow gives every row of a column the union of the rows' keys."""
+    if not isinstance(value, Mapping):
+        raise _malformed(where, value, "an object")
+    unknown = sorted(str(key) for key, item in value.items() if key not in allowed_keys and item is not None)
+    if unknown:
+        raise SampleError("malformed_record", f"{where} has unknown keys {unknown} (known: {sorted(allowed_keys)})")
+    return value
+
+
+def _string(value, where: str) -> str:
+    """A text field: a string, or "" for null."""
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise _malformed(where, value, "a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # JSON's "\ud800" escapes decode to lone surrogates, which no tokenizer accepts
+        raise SampleError("malformed_record", f"{where} holds an unpaired UTF-16 surrogate (not valid text)") from None
+    return value
+
+
 def image_ref(value) -> dict:
     """Normalise an image reference (path string, bytes, {"path","bytes"} dict, or PIL image) to {"path","bytes"}."""
     if isinstance(value, str):
@@ -63,12 +104,15 @@ def image_ref(value) -> dict:
     if isinstance(value, bytes | bytearray):
         return {"path": None, "bytes": bytes(value)}
     if isinstance(value, Mapping) and ("path" in value or "bytes" in value):
-        return {"path": value.get("path"), "bytes": value.get("bytes")}
+        path, data = value.get("path"), value.get("bytes")
+        if not isinstance(path, str | None) or not isinstance(data, bytes | bytearray | None):
+            raise SampleError("malformed_record", "an image reference's path must be a string and bytes bytes")
+        return {"path": path, "bytes": None if data is None else bytes(data)}
     if isinstance(value, Image.Image):
         buffer = io.BytesIO()
         value.save(buffer, format="PNG")
         return {"path": None, "bytes": buffer.getvalue()}
-    raise SampleError("missing_image", f"unsupported image reference of type {type(value).__name__}")
+    raise _malformed("an image reference", value, "a path, bytes or a {path, bytes} object")
 
 
 def _record_images(record: Mapping) -> list[dict]:
@@ -114,43 +158,59 @@ def _inline_video(payload) -> list[dict]:
 
 def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
     messages = []
-    for turn in record["conversations"]:
-        role = LLAVA_ROLES.get(str(turn.get("from", "")).lower())
+    for index, turn in enumerate(record["conversations"]):
+        turn = _mapping(turn, f"turn {index}", LLAVA_TURN_KEYS)
+        role = LLAVA_ROLES.get(_string(turn.get("from"), f"turn {index}'s 'from'").lower())
         if role is None:
             raise SampleError("unknown_format", f"turn role {turn.get('from')!r} is not one of {sorted(LLAVA_ROLES)}")
-        messages.append({"role": role, "content": _split_placeholders(str(turn.get("value") or ""))})
+        messages.append(
+            {"role": role, "content": _split_placeholders(_string(turn.get("value"), f"turn {index}'s value"))}
+        )
     return messages, _record_images(record), _record_videos(record, messages)
+
+
+def _content_items(content, where: str) -> tuple[list[dict], list[dict], list[dict]]:
+    """(items, inline image references, inline video references) of a message's `content`: a string, null, or a
+    list of item objects."""
+    if content is None or isinstance(content, str):
+        return _split_placeholders(_string(content, where)), [], []
+    if not isinstance(content, list):
+        raise _malformed(where, content, "a string or a list of items")
+    items, images, videos = [], [], []
+    for position, item in enumerate(content):
+        item = _mapping(item, f"{where} item {position}", CONTENT_ITEM_KEYS)
+        kind = item.get("type")
+        if kind == "text" or (kind is None and "text" in item):
+            text = _string(item.get("text"), f"{where} item {position}'s text")
+            if text:
+                items.append(_text_item(text))
+        elif kind == "image" or (kind is None and item.get("image") is not None):
+            items.append({"type": "image"})
+            payload = next((item[k] for k in ("image", "url", "path") if item.get(k) is not None), None)
+            if payload is not None:
+                images.append(image_ref(payload))
+        elif kind == "video" or (kind is None and item.get("video") is not None):
+            items.append({"type": "video"})
+            payload = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
+            if payload is not None:
+                videos += _inline_video(payload)
+        else:
+            raise SampleError("unknown_format", f"content item type {kind!r} (only text, image and video)")
+    return items, images, videos
 
 
 def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
     """Messages-style records: content a string or a list of items; images and videos inline in items or in
     `images` / `videos` (or `image` / `video`)."""
     messages, inline_images, inline_videos = [], [], []
-    for message in record["messages"]:
+    for index, message in enumerate(record["messages"]):
+        message = _mapping(message, f"message {index}", MESSAGE_KEYS)
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
             raise SampleError("unknown_format", f"message role {role!r} is not system/user/assistant")
-        content = message.get("content")
-        if isinstance(content, str):
-            items = _split_placeholders(content)
-        else:
-            items = []
-            for item in content or []:
-                kind = item.get("type")
-                if kind == "text" and item.get("text"):
-                    items.append(_text_item(item["text"]))
-                elif kind == "image" or (kind is None and item.get("image") is not None):
-                    items.append({"type": "image"})
-                    payload = item.get("image") or item.get("url") or item.get("path")
-                    if payload is not None:
-                        inline_images.append(image_ref(payload))
-                elif kind == "video" or (kind is None and item.get("video") is not None):
-                    items.append({"type": "video"})
-                    payload = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
-                    if payload is not None:
-                        inline_videos += _inline_video(payload)
-                elif kind not in ("text", "image", "video"):
-                    raise SampleError("unknown_format", f"content item type {kind!r} (only text, image and video)")
+        items, images, videos = _content_items(message.get("content"), f"message {index}'s content")
+        inline_images += images
+        inline_videos += videos
         messages.append({"role": role, "content": items})
     return messages, inline_images or _record_images(record), inline_videos or _record_videos(record, messages)
 
@@ -193,6 +253,40 @@ def resolve_ref(ref: Mapping, image_root: str | None) -> dict:
     return {"path": path, "bytes": ref.get("bytes")}
 
 
+def _scaled_to_8_bit(image: Image.Image) -> Image.Image:
+    """An "I;16*", "I" or "F" image as "L", scaled by the range its values really use: Pillow's own convert clips
+    them at 255 (a 16-bit scan turns almost all white). 16-bit modes: 0..65535. "I": 0..255 as is, 0..65535 as
+    16-bit, anything else min..max. "F": 0..1 as unit floats, 0..255 as is, anything else min..max (NaN as 0)."""
+    values = np.nan_to_num(np.asarray(image, dtype=np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    low, high = float(values.min()), float(values.max())
+    if image.mode.startswith("I;16"):
+        low, high = 0.0, 65535.0
+    elif image.mode == "F" and low >= 0 and high <= 1:
+        low, high = 0.0, 1.0
+    elif low >= 0 and high <= 255:
+        low, high = 0.0, 255.0
+    elif image.mode == "I" and low >= 0 and high <= 65535:
+        low, high = 0.0, 65535.0
+    scaled = (values - low) * (255.0 / (high - low)) if high > low else np.clip(values, 0, 255)
+    return Image.fromarray(np.clip(np.rint(scaled), 0, 255).astype(np.uint8), mode="L")
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """The image as 8-bit RGB, whatever its Pillow mode: high-bit-depth gray scaled by its range
+    (`_scaled_to_8_bit`), anything with transparency (RGBA, LA, La, PA, P/L/RGB with a transparent colour)
+    composited on TRANSPARENT_BACKGROUND, everything else (1, L, P, CMYK, YCbCr, HSV, ...) through Pillow's
+    conversion."""
+    if image.mode in ("I", "F") or image.mode.startswith("I;16"):
+        return _scaled_to_8_bit(image).convert("RGB")
+    if image.mode == "La":  # premultiplied: Pillow converts it to LA only
+        image = image.convert("LA")
+    if image.mode in ("RGBA", "RGBa", "LA", "PA") or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (*TRANSPARENT_BACKGROUND, 255))
+        return Image.alpha_composite(background, rgba).convert("RGB")
+    return image.convert("RGB")
+
+
 def load_image(ref: Mapping) -> Image.Image:
     """Decode a resolved reference to an RGB PIL image. SampleError: missing_image / corrupt_image."""
     source = ref.get("bytes")
@@ -205,9 +299,11 @@ def load_image(ref: Mapping) -> Image.Image:
                 source = handle.read()
         except OSError as error:
             raise SampleError("missing_image", f"{path}: {error.strerror or error}") from None
+        except ValueError as error:  # a NUL byte or a lone surrogate: no file can have that name
+            raise SampleError("missing_image", f"{path!r} is not a valid file name ({error})") from None
     try:
         with Image.open(io.BytesIO(source)) as image:
-            return image.convert("RGB")
+            return to_rgb(image)
     except UnidentifiedImageError:
         raise SampleError("corrupt_image", f"{ref.get('path') or '<bytes>'}: not a recognised image format") from None
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as error:  # truncated, damaged, huge

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,17 +25,19 @@ from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Pretr
 from transformers.utils import cached_file
 
 from data.collate import Collator
-from data.formats import SKIP_REASONS
+from data.formats import SKIP_REASONS, DataError
 from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
 from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
 from data.video import VideoSettings
+from training.config_tree import ConfigError
 from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
 PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
-DEFAULT_CACHE_ROOT = ".cache"
+# Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
+DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
 
@@ -53,6 +56,8 @@ def load_processor(cfg):
     source = cfg.model.processor or cfg.model.name_or_path
     if source is None:
         return load_or_build_tiny_processor(cache_root(cfg), hf_config(cfg.model))
+    if cfg.model.processor and not os.path.isdir(source) and source.startswith(("/", "./", "../", "~")):
+        raise ConfigError(f"model.processor={source} is not a directory (a Hub id is 'owner/name').")
     try:
         return AutoProcessor.from_pretrained(source)
     except (ImportError, OSError, ValueError, AttributeError, TypeError) as error:
@@ -94,19 +99,50 @@ class DataStats:
         )
 
 
-def processing_fingerprint(cfg, processor, model_config: PretrainedConfig, source_fingerprint: str) -> str:
-    """Cache key of the processed dataset: data settings, processor, model config, source data, code version."""
+# Config keys that describe how weights are stored or run, not how a sample is tokenised or positioned: train.py's
+# built model and inspect_data.py's bare config differ in them, and must share one processed cache.
+RUNTIME_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures"})
+
+
+def _processing_config(value):
+    """A config dict without RUNTIME_CONFIG_KEYS, at every level."""
+    if isinstance(value, dict):
+        return {k: _processing_config(v) for k, v in value.items() if k not in RUNTIME_CONFIG_KEYS}
+    return value
+
+
+def image_files_signature(records: Dataset, sample_processor: SampleProcessor) -> str:
+    """Hash of (path, size, mtime_ns) of every image file the records reference, "missing" for absent ones: an
+    image deleted, added or rewritten after processing changes the cache key, so no stale skip or row survives."""
+    digest = hashlib.blake2b(digest_size=16)
+    for record in records:
+        for path in sample_processor.image_files(record):
+            try:
+                stat = os.stat(path)
+                digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+            except (OSError, ValueError):  # ValueError: a name no file can have (NUL byte, lone surrogate)
+                digest.update(f"{path!r}\0missing\n".encode())
+    return digest.hexdigest()
+
+
+def processing_fingerprint(
+    cfg, processor, model_config: PretrainedConfig, source_fingerprint: str, images_signature: str
+) -> str:
+    """Cache key of the processed dataset: everything its rows depend on. The source data (its contents' hash for
+    JSON files), the image files (`image_files_signature`), the data settings, processor, the model config's
+    processing fields, and the processing code's version. inspect_data.py and train.py compute the same key."""
     tokenizer = processor.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     parts = {
         "version": PROCESSING_VERSION,
         "source": source_fingerprint,
+        "images": images_signature,
         "data": [cfg.data.path, cfg.data.image_root, cfg.data.format, cfg.data.min_pixels, cfg.data.max_pixels],
         "video": [cfg.data.video_fps, cfg.data.video_max_frames, cfg.data.video_min_pixels, cfg.data.video_max_pixels],
         "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
         "chat_template": processor.chat_template,
         "image_processor": processor.image_processor.to_json_string(),
-        "model": model_config.to_json_string(),
+        "model": _processing_config(model_config.to_dict()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
@@ -121,6 +157,7 @@ class StepLoader:
 
     `items(epoch)` yields the epoch's PackItems in order; `fetch(keys)` turns PackItem keys into processed rows;
     `collate(rows)` makes the batch. Every rank computes the same plan and takes its own pack of each step.
+    `stats` (DataStats, optional) lets the error for an empty epoch name its cause.
 
     An epoch holds a whole number of optimizer steps of `grad_accum_steps` micro-steps, so the trainer's
     `grad_accum_steps` consecutive batches never mix two epochs: the packs that cannot fill one more optimizer
@@ -142,6 +179,7 @@ class StepLoader:
         num_workers: int = 0,
         grad_accum_steps: int = 1,
         name: str = "train",
+        stats: DataStats | None = None,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
@@ -151,6 +189,7 @@ class StepLoader:
         self.packing = packing_cfg
         self.rank, self.world_size, self.seed, self.epochs = rank, world_size, seed, epochs
         self.num_workers, self.grad_accum_steps, self.name = num_workers, grad_accum_steps, name
+        self.stats = stats  # the data stats, for a hint when an epoch is empty
         self.epoch, self.step_in_epoch = 0, 0
         self._reported_epochs: set[int] = set()
 
@@ -197,14 +236,26 @@ class StepLoader:
                 self.step_in_epoch += 1
                 yield batch
             if self.epochs is None and yielded == self.step_in_epoch == 0:
-                raise ValueError(
-                    f"an epoch has no batch for rank {self.rank} of {self.world_size}: too few kept samples "
-                    f"(see the data stats), or fewer packs than one optimizer step ({self.world_size} ranks x "
-                    f"{self.grad_accum_steps} micro-batches); add data or lower packing.max_tokens."
+                raise DataError(
+                    f"an epoch has no batch for rank {self.rank} of {self.world_size}: {self._no_batch_hint()}"
                 )
             if self.rank == 0:
                 self._report_leftover(self.epoch, epoch_batches.leftover)
             self.epoch, self.step_in_epoch = self.epoch + 1, 0
+
+    def _no_batch_hint(self) -> str:
+        """Why an epoch may be empty and the fix, from the data stats when they show it."""
+        stats = self.stats
+        too_long = stats.skipped["too_long"] + stats.skipped["video_too_long"] if stats is not None else 0
+        if stats is not None and stats.kept_train == 0 and too_long:
+            return (
+                f"no sample was kept, {too_long} longer than packing.max_tokens={self.packing.max_tokens} "
+                "(too_long, video_too_long); raise packing.max_tokens (or lower data.video_max_frames)."
+            )
+        return (
+            f"too few kept samples (see the data stats), or fewer packs than one optimizer step ({self.world_size} "
+            f"ranks x {self.grad_accum_steps} micro-batches); add data or lower packing.max_tokens."
+        )
 
     def _report_leftover(self, epoch: int, walked: Leftover | None) -> None:
         """Log the epoch's left-over packs, once per epoch. `walked` is what this process recorded while walking
@@ -268,7 +319,7 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
     if row["skip_reason"]:
         if raise_errors:  # the processed-dataset cache keeps skips from earlier `on_error: skip` runs
             detail = f"{row['skip_reason']}: {row['skip_detail']}"
-            raise ValueError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
+            raise DataError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
         stats.skip(row["skip_reason"], row["sample_id"], row["skip_detail"])
         return None
     if row["length"] > max_tokens:
@@ -276,7 +327,7 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
         # A video sample over budget is one with too many frames for the pack (data.video_max_frames / pixels).
         reason = "video_too_long" if row["video_grid_thw"] else "too_long"
         if raise_errors:
-            raise ValueError(f"sample {row['sample_id']}: {reason}: {detail} (data.on_error=skip skips it)")
+            raise DataError(f"sample {row['sample_id']}: {reason}: {detail} (data.on_error=skip skips it)")
         stats.skip(reason, row["sample_id"], detail)
         return None
     return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))
@@ -376,7 +427,8 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     if cfg.data.streaming:
         train_items, eval_items, fetch = _streaming(cfg, records, sample_processor, stats)
     else:
-        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint)
+        images = image_files_signature(records, sample_processor)
+        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint, images)
         train_items, eval_items, fetch = _in_memory(cfg, records, sample_processor, fingerprint, stats)
         logger.log(logging.WARNING if stats.skipped else logging.INFO, "data: %s", stats.summary())
     collator = Collator(
@@ -386,6 +438,7 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
         video=video,
+        raise_errors=cfg.data.on_error == "raise",
     )
     collate = collator.packed if cfg.packing.mode == "packed" else collator.padded
     common = {"fetch": fetch, "collate": collate, "packing_cfg": cfg.packing, "rank": rank, "world_size": world_size}
@@ -393,7 +446,12 @@ def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, wo
     num_workers = 0 if cfg.data.streaming else cfg.data.num_workers
     common["num_workers"] = num_workers
     train_loader = StepLoader(
-        train_items, seed=cfg.data.seed, epochs=None, grad_accum_steps=cfg.train.grad_accum_steps, **common
+        train_items,
+        seed=cfg.data.seed,
+        epochs=None,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+        stats=stats,
+        **common,
     )
     eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, name="eval", **common)
     return train_loader, eval_loader, stats

@@ -13,12 +13,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 
+import jinja2
 import torch
 from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data.config import DataConfig
-from data.formats import SampleError, load_image, normalize_record, resolve_ref
+from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
 from data.positions import rope_index_fn
 from data.video import (
     VideoSettings,
@@ -32,6 +33,13 @@ from data.video import (
 
 IGNORE_INDEX = -100
 RECORD_JSON_COLUMN = "__record_json__"  # JSON files are read as one JSON string per record (schema-free)
+RECORD_LOCATION_COLUMN = "__location__"  # "line 7" / "item 7" (1-based), so a skip names where the record is
+RECORD_JSON_FEATURES = Features(
+    {
+        RECORD_JSON_COLUMN: Value("string"),  # null: the line is not valid UTF-8
+        RECORD_LOCATION_COLUMN: Value("string"),
+    }
+)
 
 PROCESSED_FEATURES = Features(
     {
@@ -68,11 +76,16 @@ def image_size_kwargs(image_processor, min_pixels: int | None, max_pixels: int |
     return {"size": {"shortest_edge": shortest, "longest_edge": longest}}
 
 
+def _storable(text: str) -> str:
+    """`text` with lone surrogates (from JSON "\\ud800" escapes) escaped: arrow stores only valid UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _skipped(sample_id: str, error: SampleError) -> dict:
     return {
         "sample_id": sample_id,
         "skip_reason": error.reason,
-        "skip_detail": error.detail,
+        "skip_detail": _storable(error.detail),
         "input_ids": [],
         "labels": [],
         "mrope_positions": [],
@@ -90,10 +103,15 @@ def _parsed(record: Mapping) -> Mapping:
     """The record itself, or the JSON object a raw-line column holds; a malformed line is an unknown format."""
     if RECORD_JSON_COLUMN not in record:
         return record
+    text = record[RECORD_JSON_COLUMN]
+    if text is None:
+        raise SampleError("undecodable_line", "the line is not valid UTF-8")
     try:
-        parsed = json.loads(record[RECORD_JSON_COLUMN])
+        parsed = json.loads(text)
     except json.JSONDecodeError as error:
         raise SampleError("unknown_format", f"the line is not valid JSON ({error})") from None
+    except RecursionError:  # json recurses once per nesting level
+        raise SampleError("malformed_record", "the line nests JSON deeper than Python's recursion limit") from None
     if not isinstance(parsed, dict):
         raise SampleError("unknown_format", f"the line is JSON {type(parsed).__name__}, not an object")
     return parsed
@@ -139,15 +157,31 @@ class SampleProcessor:
         return {**self.__dict__, "_rope_index": None}
 
     def __call__(self, record: Mapping, index: int) -> dict:
-        sample_id = str(index)
+        location = record.get(RECORD_LOCATION_COLUMN) or f"row {index + 1}"
+        sample_id = location
         try:
             record = _parsed(record)
-            sample_id = str(record.get("id", index))
+            sample_id = _storable(str(record.get("id", location)))
             return self.process(record, sample_id)
         except SampleError as error:
             if self.raise_errors:
-                raise ValueError(f"sample {sample_id} (row {index}): {error} (data.on_error=skip skips it)") from None
+                raise DataError(f"sample {sample_id} ({location}): {error} (data.on_error=skip skips it)") from None
+            if sample_id != location:  # a record with an id: say where it is too
+                error.detail = f"{location}: {error.detail}"
             return _skipped(sample_id, error)
+
+    def image_files(self, record: Mapping) -> list[str]:
+        """The image, video and video-frame files a record would load, resolved as `process` resolves them (none
+        for a bad record)."""
+        try:
+            _, refs, video_refs = normalize_record(_parsed(record), self.data_format)
+        except SampleError:
+            return []
+        refs = [resolve_ref(ref, self.image_root) for ref in refs]
+        for video in video_refs:
+            resolved = resolve_video(video, self.image_root)
+            refs += [resolved, *resolved["frames"]]
+        return [ref["path"] for ref in refs if ref["bytes"] is None and ref["path"]]
 
     def process(self, record: Mapping, sample_id: str) -> dict:
         messages, refs, video_refs = normalize_record(record, self.data_format)
@@ -230,6 +264,12 @@ class SampleProcessor:
         An assistant reply is the text between the template's generation prompt and the end of that turn, closing
         <|im_end|> included (the model must learn to stop); the newline after it belongs to the next piece.
         """
+        try:
+            return self._render_segments(messages)
+        except jinja2.TemplateError as error:  # a template that refuses this conversation (e.g. raise_exception)
+            raise SampleError("unknown_format", f"the chat template rejects the conversation: {error}") from None
+
+    def _render_segments(self, messages: list[dict]) -> list[tuple[str, bool]]:
         template = self.processor.apply_chat_template
         full = template(messages, tokenize=False)
         segments, cursor = [], 0

@@ -11,6 +11,7 @@ arrow.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -18,24 +19,69 @@ from pathlib import Path
 from datasets import Dataset, Image, IterableDataset, List, Video, load_dataset, load_from_disk
 
 from data.config import DataConfig
-from data.processing import RECORD_JSON_COLUMN
+from data.formats import DataError
+from data.processing import RECORD_JSON_COLUMN, RECORD_JSON_FEATURES, RECORD_LOCATION_COLUMN
 from data.synthetic import write_builtin_dataset
+from training.config_tree import ConfigError
 
 FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
-def _json_records(path: str, size: int, mtime_ns: int):
-    """One {RECORD_JSON_COLUMN: str} per record of a JSON list or a JSONL file (size/mtime key the cache)."""
-    with open(path) as handle:
-        head = handle.read(1024).lstrip()
-        handle.seek(0)
-        if head.startswith("["):
-            for record in json.load(handle):
-                yield {RECORD_JSON_COLUMN: json.dumps(record)}
-            return
-        for line in handle:
-            if line.strip():
-                yield {RECORD_JSON_COLUMN: line}
+UTF8_BOM = b"\xef\xbb\xbf"
+
+
+def _head(path: str) -> bytes:
+    """The file's first KiB without a UTF-8 BOM and surrounding whitespace (bytes: it may not decode)."""
+    with open(path, "rb") as handle:
+        return handle.read(1024).removeprefix(UTF8_BOM).strip()
+
+
+def _json_list(path: str) -> list:
+    """The records of a JSON list file; ValueError with one line saying what is wrong (a list is all or nothing:
+    unlike JSONL, one bad byte leaves no record boundary to recover at)."""
+    try:
+        with open(path, encoding="utf-8-sig") as handle:
+            records = json.load(handle)
+    except UnicodeDecodeError as error:
+        raise DataError(
+            f"data.path {path}: byte {error.start} is not valid UTF-8 (or use JSONL, one record a line, "
+            "where a bad line is skipped)"
+        ) from None
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise DataError(f"data.path {path} is not valid JSON: {error}") from None
+    if not isinstance(records, list):
+        raise DataError(f"data.path {path}: a .json file must hold a list of records, got {type(records).__name__}")
+    return records
+
+
+def _json_records(path: str, content_digest: str):
+    """One {RECORD_JSON_COLUMN: str or None, RECORD_LOCATION_COLUMN: str} per record of a JSON list or a JSONL file.
+
+    A JSONL line that is not UTF-8 comes through as None (a counted skip), not as an error for the whole file.
+    `content_digest` is unused here: as a generator argument it keys the cache on the file's contents.
+    """
+    if _head(path).startswith(b"["):
+        for index, record in enumerate(_json_list(path)):
+            yield {RECORD_JSON_COLUMN: json.dumps(record), RECORD_LOCATION_COLUMN: f"item {index + 1}"}
+        return
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            if number == 1:
+                line = line.removeprefix(UTF8_BOM)
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("utf-8")
+            except UnicodeDecodeError:
+                text = None
+            yield {RECORD_JSON_COLUMN: text, RECORD_LOCATION_COLUMN: f"line {number}"}
+
+
+def file_digest(path: str) -> str:
+    """A content hash of a file: strong where size and mtime are not (a rewrite within the same second), and at
+    ~1 GB/s cheap next to processing the records."""
+    with open(path, "rb") as handle:
+        return hashlib.file_digest(handle, "blake2b").hexdigest()[:32]
 
 
 def _undecoded_images(dataset: Dataset | IterableDataset) -> Dataset | IterableDataset:
@@ -50,6 +96,13 @@ def _undecoded_images(dataset: Dataset | IterableDataset) -> Dataset | IterableD
     return dataset
 
 
+def _looks_local(path: str) -> bool:
+    """A path that can only mean a local file: absolute, explicitly relative, home-based, or with a data-file suffix.
+    Anything else may be a Hub id, which only the Hub can answer (slowly, without a network)."""
+    explicit = path.startswith(("/", "./", "../", "~")) or os.path.isabs(path)
+    return explicit or Path(path).suffix.lower() in (".json", ".jsonl", *FILE_BUILDERS)
+
+
 def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
     name = f"builtin-{data_cfg.seed}-{data_cfg.num_samples}-video{data_cfg.video_share:g}"
     return Path(cache_root) / name / "data.jsonl"
@@ -57,30 +110,33 @@ def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
 
 def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | IterableDataset, str | None]:
     """(records, image_root): the raw records of `data.path` and where relative image paths resolve."""
-    path = data_cfg.path
+    path = os.path.expanduser(data_cfg.path)
     if path == "builtin":
         directory = builtin_path(data_cfg, cache_root).parent
         path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share))
     streaming = data_cfg.streaming
     local = os.path.exists(path)
+    if not local and _looks_local(path):
+        raise ConfigError(f"data.path {path} does not exist (from {os.getcwd()}); a Hub dataset id is 'owner/name'.")
     image_root = data_cfg.image_root or (os.path.dirname(os.path.abspath(path)) if os.path.isfile(path) else None)
     if local and os.path.isdir(path):
         image_root = data_cfg.image_root or os.path.abspath(path)
     suffix = Path(path).suffix.lower()
     if local and os.path.isfile(path) and suffix in (".json", ".jsonl"):
-        with open(path) as handle:
-            head = handle.read(1024).strip()
-        if head in ("", "[]"):
-            raise ValueError(f"data.path {path} holds no records: point it at a JSON list or JSONL file of samples.")
-        stat = os.stat(path)
-        kwargs = {"path": os.path.abspath(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        if _head(path) in (b"", b"[]"):
+            raise DataError(f"data.path {path} holds no records: point it at a JSON list or JSONL file of samples.")
+        if _head(path).startswith(b"["):
+            _json_list(path)  # a broken list fails here with its one-line reason, not inside datasets' builder
+        kwargs = {"path": os.path.abspath(path), "content_digest": file_digest(path)}
         if streaming:
-            dataset = IterableDataset.from_generator(_json_records, gen_kwargs=kwargs)
+            dataset = IterableDataset.from_generator(_json_records, gen_kwargs=kwargs, features=RECORD_JSON_FEATURES)
         else:
-            dataset = Dataset.from_generator(_json_records, gen_kwargs=kwargs, cache_dir=data_cfg.cache_dir)
+            dataset = Dataset.from_generator(
+                _json_records, gen_kwargs=kwargs, features=RECORD_JSON_FEATURES, cache_dir=data_cfg.cache_dir
+            )
     elif local and os.path.isfile(path):
         if suffix not in FILE_BUILDERS:
-            raise ValueError(f"data.path {path}: unsupported file type {suffix!r}; use json(l), parquet, arrow, csv.")
+            raise DataError(f"data.path {path}: unsupported file type {suffix!r}; use json(l), parquet, arrow, csv.")
         dataset = load_dataset(
             FILE_BUILDERS[suffix], data_files=path, split="train", streaming=streaming, cache_dir=data_cfg.cache_dir
         )

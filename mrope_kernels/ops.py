@@ -32,9 +32,14 @@ _POSITION_DTYPES = (torch.int64, torch.int32)
 _NO_SECTIONS = (0, 0, 0)
 
 
+def runs_triton(device: torch.device) -> bool:
+    """Whether rotations on `device` run the Triton kernels (else the plain-PyTorch reference, same math)."""
+    return device.type == "cuda" or (device.type == "cpu" and triton_rope.RUNS_IN_INTERPRETER)
+
+
 def _rotated(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
     """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense transposed strides)."""
-    if q.is_cuda or (triton_rope.RUNS_IN_INTERPRETER and q.device.type == "cpu"):
+    if runs_triton(q.device):
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate)
         return q_out, k_out

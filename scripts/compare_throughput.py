@@ -15,14 +15,12 @@ a login). Writes into --out: one run directory per run (`<variant>/run<i>`), `co
 (tokens/s and loss per step, first repeat) and `comparison.md` (the table), and prints the table. The JSON and the
 table are rewritten after every full round of variants, so a session cut short keeps the rounds it finished.
 
-Is the host the bottleneck? train.py logs per step `host_issue_s`, the host time to fetch and issue the step
-(no sync), beside `step_time_s`, the wall time between the per-step syncs. After the host has issued its last
-kernel the device still drains its queue, and it is busy all that time, so 1 - host_issue_s / step_time_s is a lower
-bound on the device-busy fraction of the step (`gpu_busy_lower_bound`, median over the timed steps). CUDA events
-around the step cannot do better: they span the idle gaps inside the step too. A run whose bound is below
-HOST_BOUND_THRESHOLD (0.10: the device had less than a tenth of the step left to run when the host finished) is
-flagged `host_bound`: its device waited on the host (or on a sync inside the step), and its tokens/s measures the
-host as much as the device (a shared or slow host CPU moves it).
+Is the host the bottleneck? While a run trains, NVML's GPU utilisation of the run's GPU (the share of each ~0.2-1 s
+window in which any kernel ran) is sampled every 0.1 s and tagged with the last step the run has logged; the mean of
+the samples taken during the timed steps is the run's `gpu_busy` fraction (null without NVML or a GPU). A run whose
+`gpu_busy` is under HOST_BOUND_THRESHOLD is flagged `host_bound`: its GPU sat idle for more than that share of the
+timed steps, waiting on the host (Python, launches, data) or on a sync, so its tokens/s measures the host as much as
+the GPU (a shared or slow host CPU moves it). A GPU-bound training step measures 0.95-1.0.
 
 comparison.json:
   recipe, overrides, steps, warmup_steps, repeats, run_order ([variant, repeat] in the order run), wandb_group,
@@ -30,10 +28,10 @@ comparison.json:
   baseline, variants {name: {
       tokens_per_s_per_gpu, step_time_s, mfu: medians over the repeats; tokens_per_s_min, tokens_per_s_max,
       tokens_per_s_spread (max-min over median); <key>_ratio for those three (ratio of medians to the baseline);
-      gpu_busy_lower_bound (median over runs), host_bound (any run flagged); peak_mem_gib, loss_end, pack_efficiency,
+      gpu_busy (median over runs), host_bound (any run flagged); peak_mem_gib, loss_end, pack_efficiency,
       timed_steps, fused_rope (first repeat); max_abs_dloss_vs_baseline, same_data_as_baseline (first repeats,
       null for a padded run against a packed baseline); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
-      gpu_busy_lower_bound, host_bound, run_dir, wandb_dir, wall_s}]}},
+      gpu_busy, host_bound, run_dir, wandb_dir, wall_s}]}},
   ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float},
   curves {variant: metrics.jsonl training records of its first repeat}
 
@@ -57,8 +55,9 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -89,7 +88,8 @@ RESERVED_KEYS = {
     "checkpoint.resume",
 }
 LIGER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
-HOST_BOUND_THRESHOLD = 0.10  # gpu_busy_lower_bound under this flags a run as host-bound (module docstring)
+HOST_BOUND_THRESHOLD = 0.85  # gpu_busy under this flags a run as host-bound (module docstring)
+BUSY_SAMPLE_S = 0.1
 # Runs train.py with Liger-Kernel's rope assigned to the module globals transformers' attention reads at call
 # time (Liger's own monkey patch targets a name transformers 5.x no longer uses, so it would silently do nothing).
 LIGER_BOOTSTRAP = """
@@ -113,6 +113,55 @@ class RunResult:
     summary: dict
     records: list[dict]  # metrics.jsonl training records (those with a loss), one per logged step
     wall_s: float
+    busy_samples: list[tuple[int, float]] = field(default_factory=list)  # (last logged step, GPU utilisation 0-1)
+
+
+class BusySampler:
+    """Samples NVML's utilisation of the GPU a child run uses, each sample tagged with the last step the run has
+    written to its metrics.jsonl (module docstring). Without NVML or a GPU it collects nothing."""
+
+    def __init__(self, metrics_path: Path):
+        self.metrics_path = metrics_path
+        self.samples: list[tuple[int, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> BusySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(_visible_gpu_index())
+        except Exception:  # no NVML library or no GPU: the run reports gpu_busy null
+            return
+        while not self._stop.wait(BUSY_SAMPLE_S):
+            step = _last_logged_step(self.metrics_path)
+            if step is not None:
+                self.samples.append((step, pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0))
+
+
+def _visible_gpu_index() -> int:
+    """NVML's index of the first GPU CUDA_VISIBLE_DEVICES names (NVML ignores that variable)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    return int(first) if first.isdigit() else 0
+
+
+def _last_logged_step(metrics_path: Path) -> int | None:
+    try:
+        lines = metrics_path.read_text().splitlines()
+    except FileNotFoundError:
+        return None
+    steps = [json.loads(line).get("step") for line in lines[-3:] if line.strip().endswith("}")]
+    steps = [step for step in steps if isinstance(step, int)]
+    return max(steps) if steps else None
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -206,7 +255,7 @@ def run_variant(
     env = {**os.environ, **SAFE_COLLECTIVES_ENV}
     log_path = run_dir / "train.log"
     start = time.perf_counter()
-    with log_path.open("w") as log_file:
+    with log_path.open("w") as log_file, BusySampler(run_dir / "metrics.jsonl") as sampler:
         proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
         try:
             code = proc.wait(timeout=args.run_timeout)
@@ -225,7 +274,7 @@ def run_variant(
         f"[compare] {variant} run {repeat}: done in {wall:.0f} s, {summary['tokens_per_s_per_gpu'] or 0:.0f} "
         "tokens/s/GPU"
     )
-    return RunResult(variant, repeat, run_dir, summary, records, wall)
+    return RunResult(variant, repeat, run_dir, summary, records, wall, sampler.samples)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -251,22 +300,23 @@ def same_data(a: RunResult, b: RunResult) -> bool:
     return [r["pack_efficiency"] for r in a.records] == [r["pack_efficiency"] for r in b.records]
 
 
-def gpu_busy_lower_bound(result: RunResult, warmup: int) -> float | None:
-    """Median over the timed steps of 1 - host_issue_s / step_time_s (module docstring); None without the field."""
-    timed = [r for r in result.records if r["step"] > warmup and r.get("host_issue_s") is not None]
-    return _median([max(0.0, 1.0 - r["host_issue_s"] / r["step_time_s"]) for r in timed if r["step_time_s"]])
+def gpu_busy(result: RunResult, warmup: int) -> float | None:
+    """Mean GPU utilisation over the samples taken while the timed steps ran: after step `warmup` was logged and
+    before the last step was (module docstring); None without samples."""
+    last = max((r["step"] for r in result.records), default=0)
+    return _mean([busy for step, busy in result.busy_samples if warmup <= step < last])
 
 
 def run_numbers(result: RunResult, warmup: int) -> dict:
-    """One run: train.py's throughput over its timed steps and the device-busy bound."""
-    busy = gpu_busy_lower_bound(result, warmup)
+    """One run: train.py's throughput over its timed steps and its GPU-busy fraction."""
+    busy = gpu_busy(result, warmup)
     timed = [r for r in result.records if r["step"] > warmup]
     return {
         "repeat": result.repeat,
         "tokens_per_s_per_gpu": result.summary["tokens_per_s_per_gpu"],
         "step_time_s": _mean([r["step_time_s"] for r in timed]),
         "mfu": result.summary["mfu"],
-        "gpu_busy_lower_bound": busy,
+        "gpu_busy": busy,
         "host_bound": busy is not None and busy < HOST_BOUND_THRESHOLD,
         "run_dir": str(result.run_dir),
         "wandb_dir": result.summary.get("wandb_dir"),
@@ -288,7 +338,7 @@ def variant_numbers(runs: list[RunResult], warmup: int) -> dict:
         "tokens_per_s_spread": (max(speeds) - min(speeds)) / median_speed if median_speed else None,
         "step_time_s": _median([r["step_time_s"] for r in per_run]),
         "mfu": _median([r["mfu"] for r in per_run]),
-        "gpu_busy_lower_bound": _median([r["gpu_busy_lower_bound"] for r in per_run]),
+        "gpu_busy": _median([r["gpu_busy"] for r in per_run]),
         "host_bound": any(r["host_bound"] for r in per_run),
         "peak_mem_gib": first.summary["peak_mem_gib"],
         "loss_end": first.summary["loss_end"],
@@ -347,14 +397,14 @@ def table(comparison: dict) -> str:
     baseline = comparison["baseline"]
     lines = [
         f"| variant | runs | tokens/s/GPU (median, min–max) | × {baseline} | step time (s) | MFU "
-        f"| GPU busy ≥ | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} |",
+        f"| GPU busy | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in comparison["variants"].items():
         mfu = None if row["mfu"] is None else 100 * row["mfu"]
         gap = row["max_abs_dloss_vs_baseline"]
         gap_text = "other batches" if gap is None and name != baseline else _fmt(gap, ".2e")
-        busy = _fmt(row["gpu_busy_lower_bound"], ".2f") + (" host-bound" if row["host_bound"] else "")
+        busy = _fmt(row["gpu_busy"], ".2f") + (" host-bound" if row["host_bound"] else "")
         lines.append(
             f"| {name} | {len(row['runs'])} | {_fmt(row['tokens_per_s_per_gpu'], ',.0f')} "
             f"({_fmt(row['tokens_per_s_min'], ',.0f')}–{_fmt(row['tokens_per_s_max'], ',.0f')}) "

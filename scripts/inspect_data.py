@@ -18,9 +18,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
 from training.config import load_config
+from training.config_tree import ConfigError
 from training.modeling import hf_config
 
 
@@ -115,4 +117,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as error:  # a recipe/override mistake: one line that says how to fix it, as train.py does
+        sys.exit(f"config error: {error}")
+    except DataError as error:
+        sys.exit(f"data error: {error}")

@@ -45,10 +45,23 @@ def test_unknown_key_names_the_nearest_valid_key(override, nearest):
         ("checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"),
         ("model.freeze_vision=maybe", "expects true or false"),
         ("train.max_steps", "dotted.key=value"),
+        ("train.lr=nan", "'train.lr' must be a finite number"),
+        ("train.lr=.inf", "'train.lr' must be a finite number"),
+        ("train.lr=-inf", "'train.lr' must be a finite number"),
+        ("train.max_grad_norm=nan", "'train.max_grad_norm' must be a finite number"),
+        ("train.adam_betas=[0.9, .nan]", r"'train.adam_betas\[1\]' must be a finite number"),
+        ("train.adam_betas=[0.9, 1.5]", r"train.adam_betas must each be in \[0, 1\)"),
+        ("logging.peak_tflops=inf", "'logging.peak_tflops' must be a finite number"),
+        ("packing.vision_cost_weight=-1", "packing.vision_cost_weight must be >= 0"),
+        ("train.weight_decay=-0.1", "train.weight_decay must be >= 0"),
+        ("train.seed=-1", r"train.seed must be in \[0, 2\*\*32\)"),
+        ("data.seed=4294967296", r"data.seed must be in \[0, 2\*\*32\)"),
+        ("data.max_pixels=0", "data.max_pixels must be >= 1"),
+        ("model.config.text_config.rms_norm_eps=.nan", "'model.config.text_config.rms_norm_eps' must be a finite"),
     ],
 )
 def test_bad_values_fail_clearly(override, message):
-    """Out-of-range or mistyped values are ConfigErrors that name the field."""
+    """Out-of-range, non-finite or mistyped values are ConfigErrors that name the field."""
     with pytest.raises(ConfigError, match=message):
         load_config(SMOKE, [override])
 

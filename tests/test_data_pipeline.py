@@ -3,6 +3,7 @@
 import itertools
 import json
 import logging
+import os
 import random
 import re
 import shutil
@@ -319,18 +320,73 @@ def test_streaming_matches_in_memory(tmp_path, cache):
     assert streaming_stats.skipped == stats.skipped and streaming_stats.kept_train == stats.kept_train
 
 
-def test_processed_cache_is_reused(tmp_path, cache):
-    """A second build with the same settings reads the processed dataset from cache (same rows, no reprocessing
-    of a deleted image), and a changed pixel bound reprocesses."""
+def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
+    """The processed cache is reused while nothing it depends on changed, and rebuilt when an image file is
+    deleted (a missing_image skip), restored (kept again), broken and fixed in place, the data file is rewritten
+    with the same size and mtime, or a pixel bound changes; inspect_data.py's bare model config and train.py's
+    built model share one cache."""
+    from PIL import Image as PILImage
+
+    from data import processing
+
+    calls = []
+    original = processing.SampleProcessor.process
+    monkeypatch.setattr(processing.SampleProcessor, "process", lambda self, *a: calls.append(1) or original(self, *a))
     good = good_records(tmp_path)
-    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
-    overrides = (f"data.path={tmp_path / 'c.jsonl'}", "data.eval_fraction=0")
-    first = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1]
-    shutil.copytree(tmp_path / "src", tmp_path / "src-copy")
+    data_file = tmp_path / "c.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={data_file}", "data.eval_fraction=0")
+
+    def build_counting(*more):
+        calls.clear()
+        cfg = recipe("tiny-qwen2_5_vl", cache, *overrides, *more)
+        model_config = build_model(cfg.model).config  # what train.py passes: dtype set, unlike hf_config's
+        stats = build_data(cfg, load_processor(cfg), model_config)[2]
+        return stats, len(calls)
+
+    assert build_counting()[1] == len(good)
+    assert build_counting()[1] == 0
+    assert kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides)) and not calls  # inspect_data's config
+    image = Path(next(r["image"] for r in good if isinstance(r.get("image"), str)))
+    moved = image.with_suffix(".moved")
+    image.rename(moved)
+    stats, processed = build_counting()
+    assert processed > 0 and stats.skipped["missing_image"] >= 1
+    moved.rename(image)  # the same file again: the first build's rows are right, and are reused
+    stats, _ = build_counting()
+    assert not stats.skipped and stats.kept_train == len(good)
+    image.write_bytes(b"broken")  # rewritten in place: reprocessed (a corrupt_image skip), then fixed again
+    stats, processed = build_counting()
+    assert processed > 0 and stats.skipped["corrupt_image"] == 1
+    PILImage.new("RGB", (40, 30), "blue").save(image, format="PNG")
+    stats, processed = build_counting()
+    assert processed > 0 and not stats.skipped and stats.kept_train == len(good)
+    stat = data_file.stat()
+    data_file.write_text(data_file.read_text().replace(good[0]["id"], good[0]["id"][::-1]))
+    os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert build_counting()[1] > 0
+    assert build_counting("data.max_pixels=20000")[1] > 0
+
+
+def test_an_image_gone_at_load_time_is_a_counted_stand_in(tmp_path, cache):
+    """An image deleted after the cache was built (while the run reads it) turns its sample into a stand-in with no
+    labels, counted in the batch, in loader workers too; the packs keep their planned lengths; with
+    data.on_error=raise it is an error naming the sample."""
+    good = good_records(tmp_path)
+    (tmp_path / "g.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={tmp_path / 'g.jsonl'}", "data.eval_fraction=0", "data.num_workers=2")
+    train, *_ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    raising, *_ = build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.on_error=raise"))
+    rows = epoch_rows(train)
+    lengths = next(iter(train))["sample_lengths"]
+    assert sorted(lengths) == sorted(r["length"] for r in rows)  # the tiny recipe packs all 8 into one batch
+    train.load_state_dict({"epoch": 0, "step_in_epoch": 0})
     shutil.rmtree(tmp_path / "src" / "images")
-    assert kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides))[1] == first
-    stats, _ = kept_token_sets(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.max_pixels=20000"))
-    assert stats.skipped["missing_image"] > 0
+    batch = next(iter(train))
+    assert batch["sample_lengths"] == lengths and batch["pixel_values"] is None
+    assert batch["num_skipped_samples"] == sum(1 for r in rows if r["images"] or r["videos"]) > 0
+    with pytest.raises(ValueError, match=r"missing_(image|video)"):
+        next(iter(raising))
 
 
 def test_worker_processes_give_the_same_batches(cache):
@@ -480,3 +536,82 @@ def test_resume_inside_an_accumulation_group_warns(cache, caplog):
         train.load_state_dict({"epoch": 0, "step_in_epoch": 4})
     assert train.state_dict() == {"epoch": 0, "step_in_epoch": 4}
     assert "inside a group of grad_accum_steps=3" in caplog.text
+
+
+def malformed_records(good):
+    """Record shapes that are not a valid conversation, each built from a good single-image record."""
+    single = next(r for r in good if isinstance(r.get("image"), str))
+    human, reply = single["conversations"]
+    content = [{"type": "text", "text": "hi"}]
+    return [
+        {**single, "conversations": ["a turn that is a string", reply]},
+        {**single, "conversations": [None, reply]},
+        {**single, "conversations": [human, {"from": "gpt", "value": ["a", "list"]}]},
+        {**single, "conversations": [[human], reply]},
+        {**single, "conversations": [{**human, "weight": 1}, reply]},
+        {**single, "conversations": [human, {"from": 7, "value": "x"}]},
+        {**single, "image": [[single["image"]]]},
+        {**single, "image": {"path": 5}},
+        {"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [["nested"]]}, {"role": "assistant", "content": "x"}]},
+        {
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": 3}]},
+                {"role": "assistant", "content": "x"},
+            ]
+        },
+        {"messages": [{"role": "user", "content": content, "extra": 1}, {"role": "assistant", "content": "x"}]},
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "foo": 1}]}, "assistant says"]},
+        {**single, "id": "lone-\ud800", "conversations": [human, {"from": "gpt", "value": "a lone \udfff"}]},
+    ]
+
+
+def test_malformed_records_are_counted_skips_with_their_line(tmp_path, cache):
+    """Every record shape that is not a valid conversation (a turn that is not a mapping, content of the wrong
+    type, nested lists, unknown keys, lone surrogates, JSON nested past the recursion limit) is skipped as
+    malformed_record, its detail naming the 1-based line; good records all survive, one with an unknown key that is
+    null too; with data.on_error=raise the first one stops the build with an error naming its line."""
+    good = good_records(tmp_path)
+    malformed = malformed_records(good)
+    lines = [json.dumps(r) for r in good[:2]] + [json.dumps(r) for r in malformed] + ["[" * 100000 + "]" * 100000]
+    human, reply = good[2]["conversations"]
+    good[2] = {**good[2], "conversations": [{**human, "weight": None}, reply]}  # null keys: arrow's key union
+    lines += [json.dumps(r) for r in good[2:]]
+    (tmp_path / "malformed.jsonl").write_text("\n".join(lines) + "\n")
+    overrides = (f"data.path={tmp_path / 'malformed.jsonl'}", "data.eval_fraction=0")
+    _, _, stats, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    assert dict(stats.skipped) == {"malformed_record": len(malformed) + 1}
+    assert stats.kept_train == len(good)
+    assert stats.skip_examples["malformed_record"][0] == "builtin-000000: line 3: turn 0 is str, not an object"
+    with pytest.raises(ValueError, match="line 3"):
+        build(recipe("tiny-qwen2_5_vl", cache, *overrides, "data.on_error=raise"))
+
+
+def test_undecodable_line_is_a_counted_skip_and_a_bom_keeps_the_first_record(tmp_path, cache):
+    """A JSONL line that is not UTF-8 is skipped as undecodable_line, named by its 1-based line number, and the rest
+    of the file loads; a UTF-8 BOM before the first record does not cost that record; a JSON list with a bad byte is
+    a one-line error naming the file."""
+    good = good_records(tmp_path)
+    lines = [json.dumps(r).encode() for r in good]
+    lines.insert(3, b'{"id": "latin-1", "conversations": "caf\xe9"}')
+    (tmp_path / "bytes.jsonl").write_bytes(b"\xef\xbb\xbf" + b"\n".join(lines) + b"\n")
+    cfg = recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bytes.jsonl'}", "data.eval_fraction=0")
+    _, _, stats, _, _ = build(cfg)
+    assert dict(stats.skipped) == {"undecodable_line": 1}
+    assert stats.skip_examples["undecodable_line"] == ["line 4: the line is not valid UTF-8"]
+    assert stats.kept_train == len(good)
+    (tmp_path / "bad.json").write_bytes(b"\xef\xbb\xbf[" + json.dumps(good[0]).encode() + b', "\xff"]')
+    with pytest.raises(ValueError, match=r"bad.json: byte \d+ is not valid UTF-8"):
+        build(recipe("tiny-qwen2_5_vl", cache, f"data.path={tmp_path / 'bad.json'}"))
+
+
+def test_every_sample_too_long_says_raise_max_tokens(tmp_path, cache):
+    """When every sample is longer than packing.max_tokens, the empty-epoch error says to raise it (lowering it
+    helps only when there are too few packs)."""
+    good = good_records(tmp_path)
+    (tmp_path / "long.jsonl").write_text("".join(json.dumps(r) + "\n" for r in good))
+    overrides = (f"data.path={tmp_path / 'long.jsonl'}", "data.eval_fraction=0", "packing.max_tokens=16")
+    train, _, stats, _, _ = build(recipe("tiny-qwen2_5_vl", cache, *overrides))
+    assert stats.skipped["too_long"] + stats.skipped["video_too_long"] == len(good)
+    with pytest.raises(ValueError, match=r"raise packing\.max_tokens"):
+        next(iter(train))

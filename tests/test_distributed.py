@@ -230,6 +230,22 @@ def test_launch_without_a_process_group_is_refused(monkeypatch):
     check_world_size(1)
 
 
+def test_accelerate_launch_cpu_with_several_processes_is_refused(monkeypatch):
+    """`accelerate launch --cpu --num_processes 2` starts one process and no group: that is an error naming the
+    command that starts two, not a silent one-process run; one process, or no accelerate parent, passes."""
+    from training.distributed import LaunchError, check_world_size
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    for launcher in (
+        ["/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "2", "train.py"],
+        ["python", "-m", "accelerate.commands.launch", "--cpu", "--num_processes=2", "train.py"],
+    ):
+        with pytest.raises(LaunchError, match=r"asked for 2 processes but started one.*ddp\.yaml --num_processes 2"):
+            check_world_size(1, launcher)
+    check_world_size(1, ["/venv/bin/accelerate", "launch", "--cpu", "--num_processes", "1", "train.py"])
+    check_world_size(1, ["python", "train.py", "--num_processes", "2"])
+
+
 # FSDP2 through accelerate needs CUDA (on a CPU process group accelerate falls back to plain data parallel), so on
 # CPU this worker shards the training module with torch's fully_shard as accelerate's FSDP2 path does: every module
 # of a _no_split_modules class (decoder layers, ViT blocks) is its own unit, then the root. FSDP2 needs every rank to

@@ -123,16 +123,16 @@ def test_passing_kernel_takes_fla_and_the_verdict_is_cached(guarded_gpu, tmp_pat
 
     again = gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16)
     assert again.backend == "fla" and "cached" in again.reason and guarded_gpu["n"] == calls
-    gated_delta.resolve_backend("auto", {DIMS}, torch.float32)
+    gated_delta.resolve_backend("auto", {DIMS}, torch.float16)
     assert guarded_gpu["n"] > calls
 
 
 def test_cached_failure_is_not_rerun(guarded_gpu):
     """A failed verdict is remembered as well: no second run of a kernel known to be wrong on this machine."""
     guarded_gpu["use"](leaky_rule)
-    assert gated_delta.resolve_backend("auto", {DIMS}, torch.float32).backend == "torch"
+    assert gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).backend == "torch"
     calls = guarded_gpu["n"]
-    assert gated_delta.resolve_backend("auto", {DIMS}, torch.float32).backend == "torch"
+    assert gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).backend == "torch"
     assert guarded_gpu["n"] == calls
 
 
@@ -149,7 +149,7 @@ def test_model_falls_back_and_logs_why(guarded_gpu, caplog):
     model = build_model(load_config("recipes/tiny-qwen3_5.yaml").model, attn_implementation="sdpa")
     layer = gated_delta.gated_delta_layers(model)[0]
     with caplog.at_level(logging.INFO, logger="training.gated_delta"):
-        assert enable_packed_forward(model, "auto") == "torch"
+        assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "torch"
     assert seen and seen[0] == (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet:" in r.getMessage()]
     assert len(lines) == 1 and "torch backend" in lines[0] and "self-check" in lines[0]
@@ -161,16 +161,17 @@ def test_unreadable_cache_is_ignored(guarded_gpu, tmp_path):
     path.parent.mkdir(parents=True)
     path.write_text("{not json")
     guarded_gpu["use"](torch_delta_rule_per_sample)
-    assert gated_delta.resolve_backend("auto", {DIMS}, torch.float32).backend == "fla"
-    assert "checked now" in gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).reason
+    assert gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).backend == "fla"
+    assert "checked now" in gated_delta.resolve_backend("auto", {DIMS}, torch.float16).reason
 
 
 def test_fla_backend_runs_single_sequences_through_the_same_kernels(guarded_gpu, monkeypatch):
-    """With the fla backend, an unpacked sequence (batch 1, no mask) takes the fla path as a pack of one sample, so
-    per-sample and packed runs use the same kernels; a padded batch keeps the layer's own forward."""
+    """With the fla backend, an unpacked sequence (batch 1, no mask) computing in bf16 takes the fla path as a pack of
+    one sample, so per-sample and packed runs use the same kernels; a padded batch and an fp32 call keep the layer's
+    own forward."""
     guarded_gpu["use"](torch_delta_rule_per_sample)
     model = build_model(load_config("recipes/tiny-qwen3_5.yaml").model, attn_implementation="sdpa")
-    assert enable_packed_forward(model, "auto") == "fla"
+    assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "fla"
     seen = []
 
     def recording(module, hidden_states, cu_seqlens):
@@ -179,7 +180,19 @@ def test_fla_backend_runs_single_sequences_through_the_same_kernels(guarded_gpu,
 
     monkeypatch.setattr(gated_delta, "_fla_varlen_forward", recording)
     layer = gated_delta.gated_delta_layers(model)[0]
-    layer(torch.randn(1, 9, layer.hidden_size))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(1, 9, layer.hidden_size))
+        assert seen == [[0, 9]]
+        layer(torch.randn(2, 9, layer.hidden_size), attention_mask=torch.ones(2, 9, dtype=torch.long))
     assert seen == [[0, 9]]
-    layer(torch.randn(2, 9, layer.hidden_size), attention_mask=torch.ones(2, 9, dtype=torch.long))
+    layer(torch.randn(1, 9, layer.hidden_size))  # fp32: the torch path (fla's fp32 matmuls are TF32)
     assert seen == [[0, 9]]
+
+
+def test_fp32_runs_take_the_torch_path(guarded_gpu):
+    """An fp32 run never takes fla, even where fla would pass its check: fla's fp32 matmuls are TF32."""
+    guarded_gpu["use"](torch_delta_rule_per_sample)
+    choice = gated_delta.resolve_backend("auto", {DIMS}, torch.float32)
+    assert choice.backend == "torch" and "TF32" in choice.reason and guarded_gpu["n"] == 0
+    with pytest.raises(ValueError, match="TF32"):
+        gated_delta.resolve_backend("fla", {DIMS}, torch.float32)

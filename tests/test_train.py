@@ -4,7 +4,9 @@ the vision tower on text-only packs, and the MFU FLOP count against a hand count
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,6 +22,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from training import checkpoint, loop, metrics, optim, parts, tracking
 from training.config import load_config
+from training.config_tree import ConfigError
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 
@@ -33,7 +36,6 @@ METRIC_KEYS = {
     "text_tokens_per_s",
     "vision_tokens_per_s",
     "step_time_s",
-    "host_issue_s",
     "mfu",
     "pack_efficiency",
     "peak_mem_gib",
@@ -46,11 +48,9 @@ def data_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("data-cache")
 
 
-def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False) -> dict:
-    """train.main in-process on the tiny model and a small slice of the built-in data."""
-    args = [
-        "--config",
-        TINY,
+def run_args(out: Path, data_cache: Path, *overrides: str) -> list[str]:
+    """train.py's overrides for the tiny model on a small slice of the built-in data, 4 steps."""
+    return [
         f"train.output_dir={out}",
         f"data.cache_dir={data_cache}",
         "data.num_samples=48",
@@ -68,6 +68,11 @@ def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False
         "logging.report_to=none",
         *overrides,
     ]
+
+
+def run_train(out: Path, data_cache: Path, *overrides: str, resume: bool = False) -> dict:
+    """train.main in-process on the tiny model and a small slice of the built-in data."""
+    args = ["--config", TINY, *run_args(out, data_cache, *overrides)]
     try:
         return train.main(args + (["--resume"] if resume else []))
     finally:
@@ -100,7 +105,6 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
         assert set(record) >= METRIC_KEYS
         assert record["tokens_per_s_per_gpu"] > 0 and 0 < record["pack_efficiency"] <= 1
         assert record["mfu"] is None  # no peak FLOP/s on CPU without logging.peak_tflops
-        assert 0 < record["host_issue_s"] <= record["step_time_s"]  # issuing a step is part of its wall time
     assert any("eval_loss" in r for r in read_metrics(out))
     assert summary["steps"] == 4 and summary["loss_end"] < summary["loss_start"]
     assert summary == json.loads((out / "summary.json").read_text())
@@ -455,3 +459,188 @@ def test_gpu_run_with_fused_rope_reports_mfu(data_cache, tmp_path):
     )
     assert summary["fused_rope"] and summary["mfu"] is not None and summary["mfu"] > 0
     assert summary["peak_mem_gib"] > 0 and summary["loss_end"] < summary["loss_start"]
+
+
+def test_non_finite_loss_stops_without_saving_nan_weights(data_cache, tmp_path, monkeypatch):
+    """A non-finite loss at step 3 stops the run with a one-line error (non-zero exit status) naming the step: no
+    checkpoint after step 2 and no export, and metrics.jsonl stays strict JSON with no record of the bad step."""
+    original = loop.optimizer_step
+    calls = []
+
+    def poisoned_step(accelerator, module, *args):
+        calls.append(1)
+        loss_sum, label_count, grad_norm = original(accelerator, module, *args)
+        if len(calls) == 3:
+            with torch.no_grad():
+                next(module.parameters()).fill_(float("nan"))
+            loss_sum = loss_sum * float("nan")
+        return loss_sum, label_count, grad_norm
+
+    monkeypatch.setattr(loop, "optimizer_step", poisoned_step)
+    out = tmp_path / "nan"
+    try:
+        message = train.cli(["--config", TINY, *run_args(out, data_cache)])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert isinstance(message, str) and "non-finite at step 3" in message and "\n" not in message
+    assert [p.name for p in checkpoint.checkpoint_dirs(out)] == ["step_00000002"]
+    assert not (out / "final").exists() and not (out / "summary.json").exists()
+
+    def refuse(token):
+        raise ValueError(f"invalid JSON token {token}")
+
+    records = [json.loads(line, parse_constant=refuse) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert max(r["step"] for r in records) == 2
+
+
+def copy_run_until(run_dir: Path, step: int, to: Path) -> Path:
+    """A copy of a finished run's directory as a kill just before the checkpoint after `step` would leave it:
+    config.yaml, every metrics line (steps after `step` included), checkpoints up to `step`, no export, no summary."""
+    to.mkdir(parents=True)
+    for name in ("config.yaml", "metrics.jsonl"):
+        shutil.copy(run_dir / name, to / name)
+    for saved in checkpoint.checkpoint_dirs(run_dir):
+        if int(saved.name.removeprefix("step_")) <= step:
+            shutil.copytree(saved, to / "checkpoints" / saved.name)
+    return to
+
+
+def test_resume_logs_each_step_once_and_summarizes_the_whole_run(finished_run, data_cache, tmp_path):
+    """After a kill between checkpoints, --resume truncates metrics.jsonl to the checkpoint's step, so every step
+    is logged once with the uninterrupted run's loss, and summary.json describes the whole run (its first loss, its
+    step count, timed steps of both launches), not only the resumed launch."""
+    out, full_summary = finished_run
+    resumed = copy_run_until(out, 2, tmp_path / "resumed")
+    summary = run_train(resumed, data_cache, "checkpoint.keep_last=2", resume=True)
+    full = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    records = [r for r in read_metrics(resumed) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["loss"] for r in records] == [full[step]["loss"] for step in (1, 2, 3, 4)]
+    assert summary["loss_start"] == full_summary["loss_start"] and summary["loss_end"] == full_summary["loss_end"]
+    assert summary["steps"] == 4 and summary["timed_steps"] == 1 + 1  # step 2 (launch 1) + step 4 (launch 2)
+    assert json.loads((resumed / "summary.json").read_text()) == summary
+
+
+def test_changed_config_on_resume_is_refused_or_used_and_recorded(finished_run, data_cache, tmp_path):
+    """--resume with a setting that breaks exactness (train.lr, packing.max_tokens) is a ConfigError naming the
+    keys and the --allow-config-change flag; config.yaml is never overwritten; with the flag the new lr is what the
+    optimizer uses and what metrics.jsonl logs, recorded in config.resume-step<N>.yaml; a logging-only change passes."""
+    out, _ = finished_run
+    resumed = copy_run_until(out, 2, tmp_path / "changed")
+    original_config = (resumed / "config.yaml").read_text()
+    with pytest.raises(
+        ConfigError, match=r"packing.max_tokens 512 -> 1024, train.lr 0.001 -> 0.002.*--allow-config-change"
+    ):
+        run_train(resumed, data_cache, "train.lr=0.002", "packing.max_tokens=1024", resume=True)
+    args = ["--config", TINY, *run_args(resumed, data_cache, "train.lr=0.002"), "--resume", "--allow-config-change"]
+    try:
+        train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert (resumed / "config.yaml").read_text() == original_config
+    assert load_config(str(resumed / "config.resume-step00000002.yaml")).train.lr == 0.002
+    full = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    again = {r["step"]: r for r in read_metrics(resumed) if "loss" in r}
+    assert again[3]["lr"] == pytest.approx(2 * full[3]["lr"], rel=1e-12)
+    quiet = copy_run_until(out, 2, tmp_path / "quiet")
+    assert run_train(quiet, data_cache, "logging.every_steps=2", "checkpoint.export=false", resume=True)["steps"] == 4
+    assert load_config(str(quiet / "config.resume-step00000002.yaml")).logging.every_steps == 2
+
+
+KILL_DURING = {
+    # accelerate has written the model and optimizer of the final checkpoint, not yet its trainer state or marker
+    "checkpoint": "from training import checkpoint as target\n"
+    "original = target.Checkpointer.save\n"
+    "def patched(self, step, *args):\n"
+    "    if step == 4:\n"
+    "        self.accelerator.save_state(str(self.run_dir / 'checkpoints' / 'step_00000004'))\n"
+    "        os.kill(os.getpid(), signal.SIGKILL)\n"
+    "    return original(self, step, *args)\n"
+    "target.Checkpointer.save = patched\n",
+    # the export's weights are written, its processor not yet
+    "export": "import transformers\n"
+    "def patched(*args, **kwargs):\n"
+    "    os.kill(os.getpid(), signal.SIGKILL)\n"
+    "transformers.ProcessorMixin.save_pretrained = patched\n",
+}
+
+
+@pytest.mark.parametrize("moment", sorted(KILL_DURING))
+def test_kill_9_then_resume_ends_with_the_uninterrupted_weights(finished_run, data_cache, tmp_path, moment):
+    """A run killed with SIGKILL during its last checkpoint write, or during its export, and relaunched with
+    --resume ends complete (export loadable, summary.json of 4 steps, each step logged once) with exactly the final
+    weights of an uninterrupted run."""
+    from safetensors.torch import load_file
+
+    out, full_summary = finished_run
+    killed = tmp_path / moment
+    child = (
+        "import os, signal, sys\n"
+        + KILL_DURING[moment]
+        + "import train\n"
+        + f"sys.exit(train.cli({['--config', TINY, *run_args(killed, data_cache)]!r}))\n"
+    )
+    process = subprocess.run([sys.executable, "-c", child], cwd=Path(train.__file__).parent, capture_output=True)
+    assert process.returncode == -9, process.stderr.decode()[-2000:]
+    assert not (killed / "final").exists() and not (killed / "summary.json").exists()
+    summary = run_train(killed, data_cache, resume=True)
+    assert summary["steps"] == 4 and summary["loss_start"] == full_summary["loss_start"]
+    assert [r["step"] for r in read_metrics(killed) if "loss" in r] == [1, 2, 3, 4]
+    expected = load_file(out / "final" / "model.safetensors")
+    exported = load_file(killed / "final" / "model.safetensors")
+    assert expected.keys() == exported.keys()
+    assert all(torch.equal(expected[k], exported[k]) for k in expected)
+    assert AutoProcessor.from_pretrained(killed / "final", trust_remote_code=True) is not None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.seed=-1"], r"config error: train.seed must be in \[0, 2\*\*32\)"),
+        (["model.config=null", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model is not a"),
+        (["model.config=null", "model.name_or_path=./no-model"], "model.name_or_path=./no-model is not a directory"),
+        (["data.path=no/such/train.jsonl"], "data.path no/such/train.jsonl does not exist"),
+        (["train.output_dir={file}/run"], "train.output_dir=.*/a-file/run cannot be created"),
+        (["data.path={file}.json"], r"data error: data.path .*a-file.json is not valid JSON"),
+    ],
+)
+def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_path):
+    """A bad seed, a model path or relative data path that does not exist (answered at once, without the Hub), an
+    output directory that cannot be made and a broken JSON data file each end train.py with one line naming the key
+    or file, not a traceback."""
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-file.json").write_text('[{"id": 1},')
+    overrides = [o.format(file=tmp_path / "a-file") for o in overrides]
+    try:
+        result = train.cli(["--config", TINY, *run_args(tmp_path / "run", data_cache), *overrides])
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert isinstance(result, str) and "\n" not in result
+    assert re.search(message, result), result
+
+
+def test_inspect_data_config_error_is_one_line():
+    """scripts/inspect_data.py answers a config mistake with one line and exit status 1, like train.py."""
+    process = subprocess.run(
+        [sys.executable, "scripts/inspect_data.py", "--config", TINY, "train.seed=-1"],
+        cwd=Path(train.__file__).parent,
+        capture_output=True,
+        text=True,
+    )
+    assert process.returncode == 1
+    assert process.stderr.strip().splitlines() == ["config error: train.seed must be in [0, 2**32), got -1."]
+
+
+def test_fused_rope_without_triton_says_it_runs_the_reference(data_cache, tmp_path, monkeypatch, caplog):
+    """kernels.mrope=fused on a CPU without TRITON_INTERPRET runs the PyTorch reference: the log warns so and the
+    summary's fused_rope is false, instead of claiming the Triton kernels ran."""
+    from mrope_kernels import triton_rope
+
+    monkeypatch.setattr(triton_rope, "RUNS_IN_INTERPRETER", False)
+    with caplog.at_level(logging.INFO):
+        summary = run_train(
+            tmp_path / "ref", data_cache, "kernels.mrope=fused", "train.max_steps=1", "train.eval_every=0"
+        )
+    assert summary["fused_rope"] is False
+    assert "plain-PyTorch reference, not the Triton kernels" in caplog.text
+    assert "rope: reference (fused ops, PyTorch math)" in caplog.text

@@ -2,9 +2,10 @@
 
 A checkpoint `<run dir>/checkpoints/step_00000100/` holds accelerate's `save_state` (model, optimizer, scheduler,
 RNG of every rank) plus one `trainer_state_rank<r>.pt` per rank (optimizer step, that rank's data-loader position).
-A `COMPLETE` marker is written last, so a run killed mid-save never resumes from a torn checkpoint.
-The export `<run dir>/final/` is `save_pretrained` + the processor: `AutoModelForImageTextToText.from_pretrained`
-and `AutoProcessor.from_pretrained` load it for inference.
+A `COMPLETE` marker is written last (and removed first when pruning), so a run killed mid-save or mid-prune never
+resumes from a torn checkpoint. The export `<run dir>/final/` is `save_pretrained` + the processor:
+`AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained` load it for inference. It is
+written to `final.partial/` and renamed, so `final/` exists only once complete and `--resume` redoes a killed one.
 """
 
 from __future__ import annotations
@@ -64,21 +65,27 @@ class Checkpointer:
     def _state_file(self, directory: Path) -> Path:
         return directory / f"trainer_state_rank{self.accelerator.process_index}.pt"
 
-    def save(self, step: int, data_state: dict[str, Any]) -> Path:
-        """Save everything after optimizer step `step`; `data_state` is this rank's loader `state_dict()`."""
+    def save(self, step: int, data_state: dict[str, Any], timing: dict[str, float]) -> Path:
+        """Save everything after optimizer step `step`; `data_state` is this rank's loader `state_dict()`, `timing`
+        this rank's throughput totals so far (the summary describes the whole run, across resumes)."""
         directory = self.run_dir / "checkpoints" / f"step_{step:08d}"
+        if self.accelerator.is_main_process and directory.exists():  # a torn save of this step, killed earlier
+            shutil.rmtree(directory)
+        self.accelerator.wait_for_everyone()
         self.accelerator.save_state(str(directory))
-        torch.save({"step": step, "data": data_state}, self._state_file(directory))
+        torch.save({"step": step, "data": data_state, "timing": timing}, self._state_file(directory))
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             (directory / COMPLETE).write_text(f"{step}\n")
             for old in checkpoint_dirs(self.run_dir)[: -self.cfg.keep_last]:
+                (old / COMPLETE).unlink()
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         return directory
 
     def load(self, directory: Path) -> tuple[int, dict[str, Any]]:
-        """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's data state)."""
+        """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's trainer state:
+        "data", the loader position, and "timing", the throughput totals; {} from checkpoints that predate it)."""
         self.accelerator.load_state(str(directory))
         state_file = self._state_file(directory)
         if not state_file.is_file():
@@ -87,28 +94,37 @@ class Checkpointer:
                 "Resume with the same number of processes."
             )
         state = torch.load(state_file, weights_only=False)
-        return state["step"], state["data"]
+        return state["step"], state
+
+
+def export_complete(out_dir: Path) -> bool:
+    return out_dir.is_dir()
 
 
 def export(accelerator: Accelerator, model: torch.nn.Module, processor: Any, out_dir: Path, dtype: str) -> Path:
     """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
 
     `model` is the prepared training module (`loop.TrainModule`): its `.model` is the HF model; the full state
-    dict is gathered from every rank (FSDP) before the main process writes it.
+    dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
+    it to `out_dir` (see `export_complete`).
     """
     state = accelerator.get_state_dict(model)
+    partial = out_dir.with_name(out_dir.name + ".partial")
     if accelerator.is_main_process:
+        shutil.rmtree(partial, ignore_errors=True)
         hf_model = accelerator.unwrap_model(model).model
         target = getattr(torch, dtype)
         weights = {
             key.removeprefix("model."): value.to(target) if value.is_floating_point() else value
             for key, value in state.items()
         }
-        hf_model.save_pretrained(out_dir, state_dict=weights)
+        hf_model.save_pretrained(partial, state_dict=weights)
         # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `dtype`.
         hf_model.config.dtype = dtype
-        hf_model.config.save_pretrained(out_dir)
-        processor.save_pretrained(out_dir)
+        hf_model.config.save_pretrained(partial)
+        processor.save_pretrained(partial)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        partial.rename(out_dir)
         log.info("exported %s", out_dir)
     accelerator.wait_for_everyone()
     return out_dir

@@ -10,7 +10,7 @@ from typing import Literal
 
 from data.config import DataConfig, PackingConfig
 from training import config_tree
-from training.config_tree import ConfigError
+from training.config_tree import ConfigError, check_seed
 
 
 @dataclass
@@ -63,6 +63,11 @@ class TrainConfig:
     def validate(self) -> None:
         if self.lr <= 0:
             raise ConfigError(f"train.lr must be > 0, got {self.lr}.")
+        check_seed("train.seed", self.seed)
+        if self.weight_decay < 0:
+            raise ConfigError(f"train.weight_decay must be >= 0, got {self.weight_decay}.")
+        if any(not 0.0 <= beta < 1.0 for beta in self.adam_betas):
+            raise ConfigError(f"train.adam_betas must each be in [0, 1), got {list(self.adam_betas)}.")
         for name in ("lr_vision", "lr_merger"):
             value = getattr(self, name)
             if value is not None and value < 0:

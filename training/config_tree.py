@@ -7,8 +7,10 @@ Fields typed `dict` are free-form (e.g. a Hugging Face model config) and accept 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -21,6 +23,12 @@ class ConfigError(ValueError):
     """A recipe or override that cannot be turned into the typed config; the message says how to fix it."""
 
 
+def check_seed(key: str, seed: int) -> None:
+    """Seeds feed numpy and torch generators, which take 0 <= seed < 2**32."""
+    if not 0 <= seed < 2**32:
+        raise ConfigError(f"{key} must be in [0, 2**32), got {seed}.")
+
+
 def _field_types(cls: type) -> dict[str, Any]:
     hints = typing.get_type_hints(cls)
     return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
@@ -30,6 +38,32 @@ def _unknown_key_error(key: str, valid: list[str], where: str) -> ConfigError:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f" Did you mean '{where}{close[0]}'?" if close else ""
     return ConfigError(f"unknown key '{where}{key}'.{hint} Valid keys here: {', '.join(sorted(valid))}.")
+
+
+def _finite_float(value: Any, where: str) -> float:
+    """A float field's value: ints and numeric strings (YAML 1.1 reads `1e-4`, without a dot, as a string) become
+    floats; nan and ±inf are refused here, where the key can be named, not steps later as a NaN loss."""
+    number = value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):  # not a number: the type error below names it
+            number = float(value)
+    if not isinstance(number, int | float) or isinstance(number, bool):
+        raise ConfigError(f"'{where}' expects float, got {value!r} ({type(value).__name__}).")
+    if not math.isfinite(number):
+        raise ConfigError(f"'{where}' must be a finite number, got {value!r}.")
+    return float(number)
+
+
+def _check_finite_leaves(value: Any, where: str) -> None:
+    """Free-form mappings (a model config) are not typed, but a nan or inf in them is never meant either."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"'{where}' must be a finite number, got {value!r}.")
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_finite_leaves(item, f"{where}.{key}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            _check_finite_leaves(item, f"{where}[{index}]")
 
 
 def _coerce(value: Any, typ: Any, where: str) -> Any:
@@ -68,16 +102,12 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typ is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"'{where}' expects a mapping, got {value!r}.")
+        _check_finite_leaves(value, where)
         return value
     if typ is Any:
         return value
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ is float and isinstance(value, str):
-        try:  # YAML 1.1 reads `1e-4` (no dot) as a string
-            return float(value)
-        except ValueError:
-            pass
+    if typ is float:
+        return _finite_float(value, where)
     if typ is bool and not isinstance(value, bool):
         raise ConfigError(f"'{where}' expects true or false, got {value!r}.")
     if typ in (int, float, str) and (not isinstance(value, typ) or (isinstance(value, bool) and typ is not bool)):

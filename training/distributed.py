@@ -43,14 +43,51 @@ def accelerator_kwargs(dtype: str) -> dict[str, Any]:
     return kwargs
 
 
-def check_world_size(num_processes: int) -> None:
+class LaunchError(RuntimeError):
+    """The processes a launcher started do not form the group the command asked for."""
+
+
+CPU_DDP_COMMAND = "accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes N train.py ..."
+
+
+def requested_processes(launcher_cmdline: list[str]) -> int | None:
+    """The `--num_processes` of an `accelerate launch` command line, or None (not one, or it gives none)."""
+    if not any(part.endswith("accelerate") or "accelerate.commands" in part for part in launcher_cmdline):
+        return None
+    for index, part in enumerate(launcher_cmdline):
+        value = part.removeprefix("--num_processes=") if part.startswith("--num_processes=") else None
+        if part == "--num_processes" and index + 1 < len(launcher_cmdline):
+            value = launcher_cmdline[index + 1]
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
+
+
+def _parent_cmdline() -> list[str]:
+    import psutil
+
+    try:
+        return psutil.Process(os.getppid()).cmdline()
+    except psutil.Error:
+        return []
+
+
+def check_world_size(num_processes: int, launcher_cmdline: list[str] | None = None) -> None:
     """Raise when the launcher started more processes (WORLD_SIZE) than the Accelerator joined (`num_processes`):
-    each process would train alone and they would overwrite each other's run directory."""
+    each process would train alone and they would overwrite each other's run directory. Also raise when the
+    `accelerate launch` that started this process asked for more processes than it started: with `--cpu` it
+    starts one, silently, and sets no WORLD_SIZE (`launcher_cmdline`: the parent's command line by default)."""
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     if launched != num_processes:
-        raise RuntimeError(
+        raise LaunchError(
             f"{launched} processes were launched but accelerate formed a group of {num_processes}: on a CPU-only "
             "host pass cpu=True to Accelerator (training.distributed.accelerator_kwargs does), or launch one process."
+        )
+    requested = requested_processes(_parent_cmdline() if launcher_cmdline is None else launcher_cmdline)
+    if "WORLD_SIZE" not in os.environ and requested is not None and requested > 1:
+        raise LaunchError(
+            f"accelerate launch asked for {requested} processes but started one (it does so with --cpu). For "
+            f"{requested} processes on CPUs (gloo) run: {CPU_DDP_COMMAND.replace('N', str(requested), 1)}"
         )
 
 

@@ -9,17 +9,19 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
   `fla.ops.gated_delta_rule.chunk_gated_delta_rule(…, cu_seqlens=…)` — on the flat (1, T) pack, no padding.
 - "torch" (everywhere): the layer's own forward with every sample of the pack as its own row of a right-padded
   batch, one batch per power-of-two length class. Conv and delta rule are causal, so the padding after a sample
-  never reaches its tokens and each row computes exactly what the sample computes alone. transformers' own torch
-  delta rule is forced for the layers' module while this backend is on (transformers would otherwise pick fla
-  when importable). Boundaries come from the pack's host-side lengths: no sync.
+  never reaches its tokens and each row computes exactly what the sample computes alone. Boundaries come from the
+  pack's host-side lengths: no sync.
   Cost: at most 2x the pack's tokens through the layer (64 at least per sample), a few batched calls per layer.
+
+Under both backends the layers' module calls transformers' own torch delta rule (it would otherwise pick fla
+whenever fla imports), so the layer's original forward (padded batches, fp32 calls) stays the torch math.
 
 Choosing ("auto"): fla needs a CUDA device. On Hopper with 3.4 <= Triton < 3.7.1, fla 0.6.0 refuses its gated
 backward (fla issue 640, a Triton miscompile; with tilelang installed fla takes tilelang's kernel instead). There
 fla trains only after `training.gated_delta_check` has compared it, on this GPU, with transformers' torch delta rule
 for the model's own head dims and dtype; the refusal is lifted only then. The check's verdict is cached on disk, so
 it and fla's compile are paid once per machine. Otherwise, or when the check fails, the torch path runs. One log
-line says which backend runs and why.
+line says which backend runs and why. fp32 runs take the torch path: fla computes fp32 matmuls in TF32.
 """
 
 from __future__ import annotations
@@ -106,13 +108,27 @@ def _check_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
+FP32_REASON = "the run computes in fp32, and fla's kernels compute fp32 matmuls in TF32"
+
+
+def _computes_in_fp32(hidden_states: torch.Tensor) -> bool:
+    """Whether this call computes in fp32: the autocast dtype where autocast is on, else the input's dtype."""
+    device_type = hidden_states.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type) == torch.float32
+    return hidden_states.dtype == torch.float32
+
+
 def resolve_backend(backend: Backend, dims: set[GatedDeltaDims], dtype: torch.dtype) -> BackendChoice:
     """ "torch" → torch; "fla" and "auto" → fla where it runs and, where fla would refuse its backward, only after
     the numeric self-check passed for each of `dims` in `dtype` on this GPU (gated_delta_check, cached on disk).
-    "auto" falls back to torch with the reason; "fla" raises ValueError instead."""
+    "auto" falls back to torch with the reason; "fla" raises ValueError instead. An fp32 `dtype` takes the torch
+    path: fla computes fp32 matmuls in TF32, which is not the precision an fp32 run asks for."""
     if backend == "torch":
         return BackendChoice("torch", "requested (kernels.gated_delta=torch)")
     blocker = fla_blocker()
+    if blocker is None and dtype == torch.float32:
+        blocker = FP32_REASON
     if blocker is None and fla_refuses_backward():
         passed, summary = _self_check(dims, dtype)
         if passed:
@@ -215,12 +231,14 @@ def packed_gated_delta_forward(
 
     hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a training.packed.PackedSeqlens) → (1, T, hidden).
     Without a pack, the fla backend runs one unpadded sequence (batch 1, no mask, no cache) through the same fla
-    kernels as a pack of one sample, so per-sample and packed training differ only in their boundaries (fla's fp32
-    matmuls run in TF32, and transformers' own forward would convolve with torch); anything else (padded batches,
-    a cache, the torch backend) is the layer's original forward.
+    kernels as a pack of one sample, so per-sample and packed training differ only in their boundaries (transformers'
+    own forward would convolve with torch); anything else (padded batches, a cache, the torch backend) is the layer's
+    original forward. Calls that compute in fp32 take the torch path under either backend (FP32_REASON).
     """
     original = getattr(module, _PATCH_ATTR)
     pack = kwargs.pop(pack_kwarg, None)
+    if backend == "fla" and _computes_in_fp32(hidden_states):
+        backend = "torch"  # e.g. the fp32 copy of a bf16 model that checks packing: FP32_REASON
     if pack is None:
         if backend == "fla" and cache_params is None and attention_mask is None and hidden_states.shape[0] == 1:
             whole = torch.tensor([0, hidden_states.shape[1]], dtype=torch.int32, device=hidden_states.device)
@@ -274,24 +292,22 @@ def patch_gated_delta_layers(
     choice = resolve_backend(backend, {GatedDeltaDims.of(layer) for layer in layers}, dtype)
     log.info("Gated DeltaNet: %s backend (%s)", choice.backend, choice.reason)
     modeling_names = sorted({type(layer).__module__ for layer in layers})
-    if choice.backend == "torch":
-        for name in modeling_names:
-            _force_torch_delta_rule(name)
+    for name in modeling_names:  # the layers' own forward (padded batches, fp32 calls) stays transformers' torch math
+        _force_torch_delta_rule(name)
     for layer in layers:
         setattr(layer, _PATCH_ATTR, layer.forward)
         layer.forward = functools.partial(packed_gated_delta_forward, layer, pack_kwarg, choice.backend)
-    model._packed_gated_delta = (choice.backend, modeling_names)
+    model._packed_gated_delta = modeling_names
     return choice.backend
 
 
 def unpatch_gated_delta_layers(model: torch.nn.Module) -> None:
     """Restore the original forward of every wrapped Gated DeltaNet layer (and the delta rule it forced)."""
-    chosen, modeling_names = getattr(model, "_packed_gated_delta", None) or (None, [])
+    modeling_names = getattr(model, "_packed_gated_delta", None) or []
     for layer in gated_delta_layers(model):
         if hasattr(layer, _PATCH_ATTR):
             del layer.forward
             delattr(layer, _PATCH_ATTR)
-    if chosen == "torch":
-        for name in modeling_names:
-            _release_torch_delta_rule(name)
+    for name in modeling_names:
+        _release_torch_delta_rule(name)
     model._packed_gated_delta = None

@@ -9,13 +9,14 @@ or the other sends a dummy image through it in its place).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
-from training import metrics, optim, packed
-from training.checkpoint import Checkpointer
+from training import metrics, packed
+from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,10 @@ PADDED_MODEL_KEYS = (
     "pixel_values_videos",
     "video_grid_thw",
 )
+
+
+class NonFiniteError(RuntimeError):
+    """The loss or the gradient norm stopped being finite: the weights are no longer worth saving."""
 
 
 def mixed_precision(dtype: str) -> str:
@@ -250,15 +255,19 @@ def _paused(*clocks: _Stopwatch):
 
 
 @dataclass
-class RunResult:
-    """What `train` hands back to train.py for the summary."""
+class TimedTotals:
+    """This rank's throughput totals over the timed steps (after each launch's `logging.timing_warmup_steps`) of
+    the whole run: saved in every checkpoint and restored on resume, so the summary's rates cover every launch."""
 
-    steps: int
-    logged: list[dict] = field(default_factory=list)
-    eval_loss: float | None = None
-    timed_steps: int = 0  # steps after `logging.timing_warmup_steps`, the ones the means below cover
-    tokens_per_s_per_gpu: float | None = None
-    mfu: float | None = None
+    steps: int = 0
+    tokens: float = 0.0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def plus(self, counts: metrics.IntervalCounts, seconds: float) -> TimedTotals:
+        return TimedTotals(
+            self.steps + counts.steps, self.tokens + counts.tokens, self.flops + counts.flops, self.seconds + seconds
+        )
 
 
 class Prefetcher:
@@ -328,8 +337,11 @@ def train(
     checkpointer: Checkpointer,
     run_dir: Path,
     start_step: int = 0,
-) -> RunResult:
-    """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way."""
+    timed_before: TimedTotals | None = None,
+) -> TimedTotals:
+    """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way.
+    Returns this rank's timed totals of the whole run: `timed_before` (restored from the checkpoint) plus this
+    launch's."""
     tcfg, lcfg = cfg.train, cfg.logging
     device = accelerator.device
     world = accelerator.num_processes
@@ -339,15 +351,16 @@ def train(
     )
     params = [p for p in module.parameters() if p.requires_grad]
     metrics_file = run_dir / "metrics.jsonl"
-    if start_step == 0 and accelerator.is_main_process:
-        metrics_file.unlink(missing_ok=True)  # a fresh run in an old directory starts a fresh record; resumes append
+    if accelerator.is_main_process:
+        keep_metrics_through(metrics_file, start_step)
     eval_start = eval_loader.state_dict() if eval_loader is not None else None
-    result = RunResult(steps=start_step)
+    timed_before = timed_before or TimedTotals()
 
     counts = metrics.IntervalCounts()
     loss_acc = torch.zeros((), device=device)
     labels_acc = torch.zeros((), device=device)
     grad_norm_acc = torch.zeros((), device=device)
+    first_nonfinite_step = torch.zeros((), dtype=torch.long, device=device)  # 0 = none yet; set without a sync
     interval_clock, timed_clock = _Stopwatch(device), _Stopwatch(device)
     timed_counts = metrics.IntervalCounts()
     # The first steps of every launch (allocator growth, autotuning, compilation) are left out of the summary.
@@ -366,22 +379,22 @@ def train(
     )
     batches = Prefetcher(train_loader, pin=device.type == "cuda")
     module.train()
-    host_issue_s = 0.0  # host time spent issuing the interval's steps (no sync): see _log_interval's record
     for step in range(start_step + 1, tcfg.max_steps + 1):
-        issue_start = time.perf_counter()
         host_batches = [next(batches) for _ in range(tcfg.grad_accum_steps)]
         for b in host_batches:
             flops = metrics.pack_flops(flop_profile, b["sample_lengths"], _grids(b))
             counts.add_batch(b, budget_of(b), flops)
             if timed_clock.running:
                 timed_counts.add_batch(b, budget_of(b), flops)
+        lr = _llm_lr(optimizer)  # what this step really uses (the scheduler sets the next step's after it)
         loss_sum, label_count, grad_norm = optimizer_step(
             accelerator, module, optimizer, scheduler, params, host_batches, tcfg.max_grad_norm
         )
         loss_acc += loss_sum
         labels_acc += label_count
         grad_norm_acc += grad_norm
-        host_issue_s += time.perf_counter() - issue_start
+        nonfinite = ~(torch.isfinite(loss_sum) & torch.isfinite(grad_norm))
+        first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
         counts.steps += 1
         timed_counts.steps += timed_clock.running
         bar.update(1)
@@ -389,18 +402,13 @@ def train(
         if step == warmup_end:
             timed_clock.start()
         if step % lcfg.every_steps == 0 or step == tcfg.max_steps:
+            _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
             record = _log_interval(
                 accelerator, counts, loss_acc, labels_acc, grad_norm_acc, interval_clock, world, peak
             )
-            # train.lr on its schedule, whichever parts train (the per-part groups scale the same schedule)
-            lr = tcfg.lr * optim.lr_multiplier(step, tcfg.warmup_steps, tcfg.max_steps, tcfg.min_lr_ratio)
-            # Host time to fetch and issue a step (no sync), beside the synced step_time_s: when the two are close,
-            # the device had run out of queued work when the host finished, i.e. it waited on the host.
-            record.update(step=step, lr=lr, host_issue_s=host_issue_s / counts.steps)
-            result.logged.append(record)
+            record.update(step=step, lr=lr)
             _emit(accelerator, record, metrics_file, bar)
             counts = metrics.IntervalCounts()
-            host_issue_s = 0.0
             loss_acc.zero_()
             labels_acc.zero_()
             grad_norm_acc.zero_()
@@ -409,27 +417,64 @@ def train(
         if do_eval or do_save:
             with _paused(interval_clock, timed_clock):
                 if do_eval:
-                    result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
-                    _emit(accelerator, {"step": step, "eval_loss": result.eval_loss}, metrics_file, bar)
+                    eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+                    _emit(accelerator, {"step": step, "eval_loss": eval_loss}, metrics_file, bar)
                 if do_save:
-                    checkpointer.save(step, batches.state_dict())
-        result.steps = step
+                    _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
+                    timed = timed_before.plus(timed_counts, timed_clock.elapsed)
+                    checkpointer.save(step, batches.state_dict(), dataclasses.asdict(timed))
     bar.close()
     batches.close()
 
-    seconds = timed_clock.stop()
-    totals = torch.tensor([timed_counts.tokens, timed_counts.flops], dtype=torch.float64, device=device)
-    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
-    result.timed_steps = timed_counts.steps
-    if timed_counts.steps:
-        result.tokens_per_s_per_gpu = tokens / (seconds * world)
-        result.mfu = None if peak is None else flops / (seconds * world) / peak
-    if eval_loader is not None and tcfg.eval_every and result.steps % tcfg.eval_every:
-        result.eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
-        _emit(accelerator, {"step": result.steps, "eval_loss": result.eval_loss}, metrics_file, bar)
+    timed = timed_before.plus(timed_counts, timed_clock.stop())
+    if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
+        eval_loss = evaluate(accelerator, module, eval_loader, tcfg.eval_batches, eval_start)
+        _emit(accelerator, {"step": tcfg.max_steps, "eval_loss": eval_loss}, metrics_file, bar)
     if cfg.checkpoint.save_final:
-        checkpointer.save(result.steps, batches.state_dict())
-    return result
+        checkpointer.save(tcfg.max_steps, batches.state_dict(), dataclasses.asdict(timed))
+    return timed
+
+
+def _llm_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The learning rate of the LLM's parameter group (of the first group when the LLM is frozen)."""
+    groups = optimizer.param_groups
+    return next((g["lr"] for g in groups if g.get("name") == "llm"), groups[0]["lr"])
+
+
+def keep_metrics_through(metrics_file: Path, step: int) -> None:
+    """Keep metrics.jsonl's records of steps <= `step` (all of them for a fresh run: none): a resume from the
+    checkpoint at `step` logs the later steps again, and each step must appear once. A line torn by a kill is
+    dropped too."""
+    if not metrics_file.is_file():
+        return
+    kept = []
+    for line in metrics_file.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line + "\n")
+    write_atomically(metrics_file, "".join(kept))
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Replace `path` with `text` so that a kill leaves the old file or the new one, never a torn one."""
+    partial = path.with_name(path.name + ".partial")
+    partial.write_text(text)
+    partial.replace(path)
+
+
+def _stop_if_nonfinite(accelerator: Accelerator, first_nonfinite_step: torch.Tensor, run_dir: Path) -> None:
+    """Raise NonFiniteError when any rank saw a non-finite loss or gradient norm (one sync; called at log intervals
+    and before every save, so no checkpoint or export ever holds NaN weights)."""
+    worst = accelerator.reduce(first_nonfinite_step.clone(), reduction="sum").item()  # > 0 iff some rank saw one
+    if worst == 0:
+        return
+    step = int(first_nonfinite_step.item()) or "?"
+    last = latest_checkpoint(run_dir)
+    raise NonFiniteError(
+        f"the loss or gradient norm became non-finite at step {step}; training stopped without saving. "
+        f"{'The last good checkpoint is ' + str(last) if last else 'No checkpoint was saved'}: lower train.lr or "
+        "set train.max_grad_norm > 0, and check the data."
+    )
 
 
 def _grids(batch: dict) -> list[tuple[int, int, int]]:
@@ -457,13 +502,16 @@ def _log_interval(
             counts.vision_patches,
             counts.budget_tokens,
             counts.flops,
+            counts.skipped_samples,
         ],
         dtype=torch.float64,
     )
     packed_stats = torch.cat([torch.stack([loss_acc, labels_acc, grad_norm_acc]).double(), host.to(accelerator.device)])
     values = accelerator.reduce(packed_stats, reduction="sum").tolist()  # the one sync of the interval
-    loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops = values
-    summed = metrics.IntervalCounts(counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops)
+    loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops, skipped = values
+    summed = metrics.IntervalCounts(
+        counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
+    )
     peak_mem = (
         torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
     )
@@ -474,44 +522,68 @@ def _log_interval(
     }
 
 
+def json_line(record: dict) -> str:
+    """`record` as strict JSON: a non-finite float (a rate over an empty interval) becomes null, never the NaN or
+    Infinity tokens that json.dumps writes by default and JSON readers reject."""
+    clean = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+    return json.dumps(clean, allow_nan=False)
+
+
 def _emit(accelerator: Accelerator, record: dict, metrics_file: Path, bar: tqdm) -> None:
     """Write one record to metrics.jsonl and the trackers (main process) and refresh the progress bar."""
     if not accelerator.is_main_process:
         return
     with metrics_file.open("a") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(json_line(record) + "\n")
     accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
     if "loss" in record:
         bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s_per_gpu']:.0f}", refresh=False)
     log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
 
 
+def read_metrics(metrics_file: Path) -> list[dict]:
+    if not metrics_file.is_file():
+        return []
+    return [json.loads(line) for line in metrics_file.read_text().splitlines() if line.strip()]
+
+
 def summarize(
     accelerator: Accelerator,
-    result: RunResult,
+    cfg: Config,
+    timed: TimedTotals,
     run_dir: Path,
     wandb_dir: Path | None,
     export_dir: Path | None,
     fused_rope: bool,
 ) -> dict:
-    """Write `<run dir>/summary.json` (main process) and return it: losses, mean rates after warm-up, places."""
-    losses = [r["loss"] for r in result.logged if "loss" in r]
-    peaks = [r["peak_mem_gib"] for r in result.logged if r.get("peak_mem_gib") is not None]
+    """Write `<run dir>/summary.json` (main process) and return it, for the whole run however many launches it
+    took: losses, eval loss, peak memory and load-time skips from metrics.jsonl; mean rates over the timed steps
+    (`timed`, this rank's totals; one all-reduce)."""
+    world = accelerator.num_processes
+    totals = torch.tensor([timed.tokens, timed.flops], dtype=torch.float64, device=accelerator.device)
+    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
+    seconds = max(timed.seconds, 1e-9) * world
+    peak = metrics.peak_flops(accelerator.device, cfg.logging.peak_tflops)
+    records = read_metrics(run_dir / "metrics.jsonl") if accelerator.is_main_process else []
+    train_records = [r for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    peaks = [r["peak_mem_gib"] for r in train_records if r.get("peak_mem_gib") is not None]
     summary = {
-        "steps": result.steps,
-        "loss_start": losses[0] if losses else None,
-        "loss_end": losses[-1] if losses else None,
-        "eval_loss": result.eval_loss,
-        "tokens_per_s_per_gpu": result.tokens_per_s_per_gpu,
-        "mfu": result.mfu,
-        "timed_steps": result.timed_steps,
+        "steps": train_records[-1]["step"] if train_records else cfg.train.max_steps,
+        "loss_start": train_records[0]["loss"] if train_records else None,
+        "loss_end": train_records[-1]["loss"] if train_records else None,
+        "eval_loss": evals[-1] if evals else None,
+        "tokens_per_s_per_gpu": tokens / seconds if timed.steps else None,
+        "mfu": flops / seconds / peak if timed.steps and peak is not None else None,
+        "timed_steps": timed.steps,
         "peak_mem_gib": max(peaks) if peaks else None,
-        "num_processes": accelerator.num_processes,
+        "samples_skipped_at_load": sum(r.get("skipped_samples", 0) for r in train_records),
+        "num_processes": world,
         "fused_rope": fused_rope,
         "run_dir": str(run_dir),
         "wandb_dir": None if wandb_dir is None else str(wandb_dir),
         "export_dir": None if export_dir is None else str(export_dir),
     }
     if accelerator.is_main_process:
-        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        write_atomically(run_dir / "summary.json", json.dumps(summary, indent=2, allow_nan=False) + "\n")
     return summary

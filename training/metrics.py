@@ -191,6 +191,7 @@ class IntervalCounts:
     vision_patches: int = 0
     budget_tokens: int = 0  # packs x token budget: the denominator of pack efficiency
     flops: float = 0.0
+    skipped_samples: int = 0  # samples whose image no longer loaded (stand-ins without labels, data/collate.py)
 
     def add_batch(self, batch: dict, budget: int, flops: float) -> None:
         self.tokens += batch["num_text_tokens"] + batch["num_image_tokens"] + batch.get("num_video_tokens", 0)
@@ -199,6 +200,7 @@ class IntervalCounts:
         self.vision_patches += batch["num_vision_patches"]
         self.budget_tokens += budget
         self.flops += flops
+        self.skipped_samples += batch["num_skipped_samples"]
 
 
 def interval_metrics(
@@ -215,4 +217,5 @@ def interval_metrics(
         "mfu": None if peak is None else counts.flops / per_gpu_s / peak,
         "pack_efficiency": counts.tokens / counts.budget_tokens if counts.budget_tokens else math.nan,
         "peak_mem_gib": peak_mem_gib,
+        "skipped_samples": counts.skipped_samples,
     }

@@ -65,3 +65,22 @@ def build_scheduler(optimizer: torch.optim.Optimizer, train_cfg: TrainConfig) ->
         optimizer,
         lambda step: lr_multiplier(step, train_cfg.warmup_steps, train_cfg.max_steps, train_cfg.min_lr_ratio),
     )
+
+
+HYPERPARAMETERS = ("initial_lr", "weight_decay", "betas")
+
+
+def config_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """Each param group's hyperparameters as the config set them (read before a checkpoint is loaded)."""
+    return [{key: group[key] for key in HYPERPARAMETERS} for group in optimizer.param_groups]
+
+
+def reapply_hyperparameters(optimizer: torch.optim.Optimizer, scheduler, hyperparameters: list[dict]) -> None:
+    """Put the config's hyperparameters back after a checkpoint load, which restores the saved run's (its lr,
+    betas, weight decay): the run uses, and logs, what its config says. The current lr is recomputed from the
+    schedule at the restored step, which for an unchanged config reproduces the saved value bit for bit."""
+    lambda_lr = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps the LambdaLR
+    for group, values, multiplier in zip(optimizer.param_groups, hyperparameters, lambda_lr.lr_lambdas, strict=True):
+        group.update(values)
+        group["lr"] = values["initial_lr"] * multiplier(lambda_lr.last_epoch)
+    lambda_lr.base_lrs = [values["initial_lr"] for values in hyperparameters]

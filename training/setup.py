@@ -19,6 +19,7 @@ from accelerate import Accelerator
 from accelerate.utils import set_seed
 
 from data.pipeline import StepLoader, build_data, load_processor
+from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
 from training import distributed, loop, metrics, optim, parts
 from training.config import Config
@@ -39,7 +40,7 @@ class TrainingSetup:
     train_loader: StepLoader
     eval_loader: StepLoader
     flop_profile: metrics.FlopProfile
-    fused_rope: bool
+    fused_rope: bool  # the Triton rope kernels run (patched in, on CUDA or under the Triton interpreter)
 
 
 def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Accelerator:
@@ -67,6 +68,14 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
+    fused_rope = rope is not None and runs_triton(accelerator.device)
+    if rope is not None and not fused_rope:
+        log.warning(
+            "kernels.mrope=%s: the rope ops are patched in, but on %s without TRITON_INTERPRET=1 they run the "
+            "plain-PyTorch reference, not the Triton kernels",
+            cfg.kernels.mrope,
+            accelerator.device.type,
+        )
     enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
     parts.freeze(
         model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
@@ -75,7 +84,9 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
     log.info(
-        "rope: %s; trainable parameters per part: %s", "fused" if rope else "unfused", parts.trainable_counts(model)
+        "rope: %s; trainable parameters per part: %s",
+        "fused (Triton)" if fused_rope else "reference (fused ops, PyTorch math)" if rope else "unfused",
+        parts.trainable_counts(model),
     )
 
     processor = load_processor(cfg)
@@ -88,6 +99,4 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    return TrainingSetup(
-        module, optimizer, scheduler, processor, train_loader, eval_loader, flop_profile, rope is not None
-    )
+    return TrainingSetup(module, optimizer, scheduler, processor, train_loader, eval_loader, flop_profile, fused_rope)
