@@ -20,10 +20,10 @@ import os
 import sys
 from pathlib import Path
 
+from core.config_tree import ConfigError
 from data.formats import DataError
 from training import checkpoint, distributed, loop, optim, resume, tracking
 from training.config import load_config
-from training.config_tree import ConfigError
 from training.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")

@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from core.families import hf_config, model_class
 from training import gated_delta, gated_delta_check
 from training.config import load_config
 from training.gated_delta_check import GatedDeltaDims
-from training.modeling import hf_config, model_class
 from training.packed import PACK_KWARG, PackedSeqlens
 
 EDGE_LENGTHS = (1, 63, 64, 65)

@@ -115,7 +115,9 @@ def bench_model(tiny: bool, device: str) -> torch.nn.Module:
 def builtin_samples(config, count: int, max_tokens: int, generator: torch.Generator) -> list[Sample]:
     """The built-in dataset's samples as the tiny Qwen2.5-VL pipeline makes them; pixels redrawn for `config`."""
     cfg = load_config(os.path.join(REPO, "recipes/tiny-qwen2_5_vl.yaml"), [f"packing.max_tokens={max_tokens}"])
-    loader, _, _ = build_data(cfg, load_processor(cfg), config)
+    loader, _, _ = build_data(
+        cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), config, grad_accum_steps=cfg.train.grad_accum_steps
+    )
     patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
     merge = config.vision_config.spatial_merge_size
     samples: list[Sample] = []

@@ -64,8 +64,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.config_tree import ConfigError  # noqa: E402
+from core.families import FAMILIES  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.config_tree import ConfigError  # noqa: E402
 from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
 
 VARIANT_OVERRIDES = {
@@ -87,7 +88,7 @@ RESERVED_KEYS = {
     "logging.timing_warmup_steps",
     "checkpoint.resume",
 }
-LIGER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+LIGER_FAMILIES = tuple(t for t, family in FAMILIES.items() if family.liger_rope)
 HOST_BOUND_THRESHOLD = 0.85  # gpu_busy under this flags a run as host-bound (module docstring)
 BUSY_SAMPLE_S = 0.1
 # Runs train.py with Liger-Kernel's rope assigned to the module globals transformers' attention reads at call

@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.config_tree import ConfigError
+from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
 from training.config import load_config
-from training.config_tree import ConfigError
-from training.modeling import hf_config
 
 
 def describe_sample(
@@ -63,9 +63,11 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     model_config = hf_config(cfg.model)
-    processor = load_processor(cfg)
+    processor = load_processor(cfg.model, cfg.data)
     start = time.perf_counter()
-    train_loader, _, stats = build_data(cfg, processor, model_config)
+    train_loader, _, stats = build_data(
+        cfg.data, cfg.packing, processor, model_config, grad_accum_steps=cfg.train.grad_accum_steps
+    )
     built = time.perf_counter() - start
 
     merge = model_config.vision_config.spatial_merge_size**2

@@ -39,9 +39,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from core.config_tree import ConfigError  # noqa: E402
 from training import loop  # noqa: E402
 from training.config import load_config  # noqa: E402
-from training.config_tree import ConfigError  # noqa: E402
 from training.setup import build_accelerator, build_training  # noqa: E402
 
 # (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the

@@ -70,7 +70,13 @@ def main(argv: list[str] | None = None) -> int:
     rtol = args.rtol if args.rtol is not None else RELATIVE_TOLERANCE[model.dtype]
     merge = model.config.vision_config.spatial_merge_size
 
-    train_loader, _, stats = build_data(cfg, load_processor(cfg), model.config)
+    train_loader, _, stats = build_data(
+        cfg.data,
+        cfg.packing,
+        load_processor(cfg.model, cfg.data),
+        model.config,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+    )
     batches = [to_device(b, args.device, model.dtype) for b in itertools.islice(train_loader, args.packs)]
     if not batches:
         print(f"no packs from the recipe's data ({stats.summary()})", file=sys.stderr)

@@ -143,14 +143,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_every_step_gives_one_rank_a_text_only_pack(runs):
     """The setup the other tests rely on: on each step of two ranks, rank 0's pack has an image and rank 1's pack
     is text only (so the two-process run below really exercised the dummy-image path)."""
+    from core.families import hf_config
     from data.pipeline import build_data, load_processor
     from training.config import load_config
-    from training.modeling import hf_config
 
     overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
     cfg = load_config(str(ROOT / TINY), [*overrides, "packing.balance_window_steps=1"])
-    processor = load_processor(cfg)
-    loaders = [build_data(cfg, processor, hf_config(cfg.model), rank, 2)[0] for rank in (0, 1)]
+    processor = load_processor(cfg.model, cfg.data)
+    loaders = [build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), rank, 2)[0] for rank in (0, 1)]
     for rank, loader in enumerate(loaders):
         steps = list(loader.steps(0))
         assert len(steps) == 1
@@ -260,14 +260,15 @@ from torch.distributed.fsdp import fully_shard
 from data.pipeline import build_data, load_processor
 from training import loop
 from training.config import load_config
-from training.modeling import build_model, hf_config
+from core.families import hf_config
+from training.modeling import build_model
 from training.packed import enable_packed_forward
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = load_config({recipe!r}, {overrides!r})
-processor = load_processor(cfg)
-packs = [next(iter(build_data(cfg, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
+processor = load_processor(cfg.model, cfg.data)
+packs = [next(iter(build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
 
 def train_module():
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)

@@ -18,13 +18,14 @@ import torch
 import transformers
 from transformers.vision_utils import get_vision_position_ids
 
+from core import families
 from data.special_tokens import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from mrope_kernels import PatchError, apply_rope_choice, ops, patch_model, reference, unpatch_model
 from mrope_kernels import patch as patch_module
 from training.config import load_config
 from training.modeling import build_model
 
-FAMILIES = list(patch_module.FAMILIES)
+FAMILIES = list(families.FAMILIES)
 # An 8×12-patch image: 24 LLM tokens after the 2×2 merge, and several Qwen2.5-VL attention windows.
 IMAGE_GRID = (1, 8, 12)
 
@@ -170,7 +171,7 @@ def reference_ops(monkeypatch):
 def spy_on_transformers_rotary(monkeypatch, family: str) -> dict[str, CallCounter]:
     """Counters on the family's apply functions and on its rotary modules' cos/sin path (forward and
     recomposition_frequencies of the text and vision rotary classes)."""
-    spec = patch_module.FAMILIES[family]
+    spec = families.FAMILIES[family]
     modeling = importlib.import_module(spec.modeling_module)
     spies = {}
     for name in (patch_module.TEXT_APPLY, patch_module.VISION_APPLY):
@@ -206,7 +207,7 @@ def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(family, re
     print(f"{family} fp32 max |patched - unpatched|: {max_diff(patched, unpatched)}")
 
     unpatch_model(model)
-    modeling = importlib.import_module(patch_module.FAMILIES[family].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES[family].modeling_module)
     assert modeling.apply_rotary_pos_emb is spies[patch_module.TEXT_APPLY]
     assert modeling.apply_rotary_pos_emb_vision is spies[patch_module.VISION_APPLY]
     assert_outputs_equal(forward_backward(model, batch), unpatched)
@@ -339,7 +340,7 @@ def test_vl_model_and_text_model_patch_alone(family, reference_ops):
         text_patched = text_model(inputs_embeds=embeds, position_ids=batch["position_ids"], use_cache=False)
         unpatch_model(text_model)
     assert [m.path for m in report.modules] == ["rotary_emb"]
-    assert report.functions == (f"{patch_module.FAMILIES[family].modeling_module}.apply_rotary_pos_emb",)
+    assert report.functions == (f"{families.FAMILIES[family].modeling_module}.apply_rotary_pos_emb",)
     torch.testing.assert_close(text_patched.last_hidden_state, text_expected.last_hidden_state, rtol=1e-5, atol=1e-6)
 
 
@@ -366,7 +367,7 @@ def test_report_names_what_was_replaced():
 def test_two_models_of_one_family_with_different_configs(reference_ops):
     """Two patched models of one family with different rotary configs, and an unpatched third, each give their own
     unpatched outputs; transformers' functions come back only when the last patched model is unpatched."""
-    modeling = importlib.import_module(patch_module.FAMILIES["qwen3_vl"].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES["qwen3_vl"].modeling_module)
     original_apply = modeling.apply_rotary_pos_emb
     models = [
         tiny_model("qwen3_vl"),
@@ -423,7 +424,7 @@ def test_rope_args_survive_mixed_precision_input_casting(reference_ops):
 def test_dropped_patched_models_give_the_functions_back():
     """A patched model (and its deep copy) garbage-collected without unpatch_model no longer holds transformers'
     apply functions: once the last one is gone the originals are back."""
-    modeling = importlib.import_module(patch_module.FAMILIES["qwen3_vl"].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES["qwen3_vl"].modeling_module)
     original = modeling.apply_rotary_pos_emb
     model = tiny_model("qwen3_vl")
     patch_model(model)

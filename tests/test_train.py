@@ -20,9 +20,9 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
+from core.config_tree import ConfigError
 from training import checkpoint, loop, metrics, optim, parts, tracking
 from training.config import load_config
-from training.config_tree import ConfigError
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 

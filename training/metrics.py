@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from core.families import FAMILIES
 from training import parts
 
 # Dense bf16 peak (no sparsity) per device name fragment, in FLOP/s; first match wins.
@@ -93,11 +94,12 @@ class FlopProfile:
             moe_fraction = text.num_experts_per_tok / text.num_experts
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        vit_width = vision.embed_dim if config.model_type == "qwen2_vl" else vision.hidden_size
+        family = FAMILIES[config.model_type]
+        vit_width = getattr(vision, family.vit_width_key)
         depth = vision.depth
         window_layers = 0
         window_merged = 0
-        if config.model_type == "qwen2_5_vl":
+        if family.window_vision_model is not None:
             window_layers = depth - len(vision.fullatt_block_indexes)
             window_merged = vision.window_size // vision.spatial_merge_size // vision.patch_size
 

@@ -89,9 +89,15 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         parts.trainable_counts(model),
     )
 
-    processor = load_processor(cfg)
+    processor = load_processor(cfg.model, cfg.data)
     train_loader, eval_loader, _ = build_data(
-        cfg, processor, model.config, accelerator.process_index, accelerator.num_processes
+        cfg.data,
+        cfg.packing,
+        processor,
+        model.config,
+        accelerator.process_index,
+        accelerator.num_processes,
+        cfg.train.grad_accum_steps,
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)
