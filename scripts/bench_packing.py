@@ -31,11 +31,11 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.packing import PackItem, best_fit_decreasing
 from data.pipeline import build_data, load_processor
+from data.processing import IGNORE_INDEX
 from training.config import ModelConfig, load_config
 from training.modeling import build_model
 from training.packed import attention_implementation, enable_packed_forward, packed_model_inputs
-from training.packing_check import (
-    IGNORE_INDEX,
+from verification.packing_check import (
     Sample,
     SampleSpec,
     label_loss,

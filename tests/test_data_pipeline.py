@@ -22,7 +22,7 @@ from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
 from training.config import load_config
 from training.modeling import build_model
-from training.packing_check import sample_position_ids, samples_from_batch
+from verification.packing_check import sample_position_ids, samples_from_batch
 
 
 def recipe(name: str, cache, *overrides: str):

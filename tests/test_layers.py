@@ -1,5 +1,5 @@
 """The package layers only point down (docs/architecture.md): core at the bottom, mrope_kernels and data on it,
-training on those, scripts on top. Every import counts, module-level or inside a function."""
+training on those, verification on training, scripts on top. Every import counts, module-level or inside a function."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ ALLOWED = {
     "mrope_kernels": {"core", "mrope_kernels"},
     "data": {"core", "data"},
     "training": {"core", "data", "mrope_kernels", "training"},
+    "verification": {"core", "data", "mrope_kernels", "training", "verification"},
 }
 
 

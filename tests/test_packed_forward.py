@@ -19,7 +19,7 @@ from training.packed import (
     packed_model_inputs,
     varlen_dtype,
 )
-from training.packing_check import (
+from verification.packing_check import (
     RELATIVE_TOLERANCE,
     PackingReport,
     SampleSpec,
@@ -206,7 +206,7 @@ def test_bf16_cpu_vision_heavy_pack_passes():
     """bf16 on the CPU with ~1.3k vision patches in the pack (Qwen3-VL, LayerNorm vision tower): packed ==
     per-sample within the runs' own rounding, and the fp32 copy's packed run equals its per-sample run at the fp32
     tolerance. (The CPU LayerNorm backward sums weight/bias gradients over all rows of a call in bf16, so here the
-    packed run is much less exact than the per-sample one; training/packing_check.py.)"""
+    packed run is much less exact than the per-sample one; verification/packing_check.py.)"""
     model = tiny_model("qwen3_vl", dtype="bfloat16")
     enable_packed_forward(model)
     specs = (SampleSpec(4, ((16, 16), (16, 16)), text_after=4), SampleSpec(3, ((16, 16),)), SampleSpec(5, ((16, 24),)))
@@ -414,7 +414,7 @@ def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(monkeypatch):
     import training.packed as packed
 
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr("training.packing_check.VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr("verification.packing_check.VARLEN_DEVICES", ("cpu",))
     monkeypatch.setattr(packed, "_varlen_kernel", _varlen_with_backward_leak)
     model = tiny_model("qwen2_5_vl", dtype="bfloat16")
     enable_packed_forward(model)

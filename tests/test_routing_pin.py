@@ -1,4 +1,4 @@
-"""Pinned MoE routing (training/routing_pin.py) and its use in the packed vs per-sample check."""
+"""Pinned MoE routing (verification/routing_pin.py) and its use in the packed vs per-sample check."""
 
 import pytest
 import torch
@@ -6,8 +6,8 @@ import torch
 from training.config import load_config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
-from training.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample, synthetic_sample
-from training.routing_pin import PinnedRouting, routers
+from verification.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample, synthetic_sample
+from verification.routing_pin import PinnedRouting, routers
 
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
 PACK = (

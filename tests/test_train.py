@@ -369,7 +369,7 @@ def test_vision_tower_runs_twice_whatever_the_pack_holds(family):
     """Text-only, image-only, video-only and mixed packs all make exactly two vision-tower calls (images, videos;
     dummies where a pack has none), so FSDP2's per-call all-gathers line up across ranks; the loss of a mixed pack
     is unchanged by the dummies (there are none)."""
-    from training.packing_check import SampleSpec, pack_samples, synthetic_sample
+    from verification.packing_check import SampleSpec, pack_samples, synthetic_sample
 
     model = build_model(load_config(f"recipes/tiny-{family}.yaml").model, seed=0)
     enable_packed_forward(model)

@@ -28,12 +28,12 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 from tqdm.auto import tqdm
 
+from data.processing import IGNORE_INDEX
 from training import metrics, packed
 from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config
 
 log = logging.getLogger(__name__)
-IGNORE_INDEX = -100
 CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (
     "input_ids",
