@@ -258,7 +258,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from data.pipeline import build_data, load_processor
-from training import loop
+from training.step import TrainModule
 from training.config import load_config
 from core.families import hf_config
 from training.modeling import build_model
@@ -273,7 +273,7 @@ packs = [next(iter(build_data(cfg.data, cfg.packing, processor, hf_config(cfg.mo
 def train_module():
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
     enable_packed_forward(model)
-    return loop.TrainModule(model)
+    return TrainModule(model)
 
 labels = sum(pack["num_label_tokens"] for pack in packs)
 reference = train_module()
