@@ -11,7 +11,7 @@ Samples: the built-in dataset (lengths, layouts and image grids from the tiny Qw
 pixels) and a long-tailed synthetic mix (log-normal text lengths, half the samples with one image). Throughput counts
 real (non-pad) tokens. Prints a table and writes JSON to --out. About two minutes on an H200.
 
-    python scripts/bench_packing.py --out artifacts/bench_packing.json
+    python -m scripts.bench_packing --out artifacts/bench_packing.json
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from datetime import UTC, datetime
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.packing import PackItem, best_fit_decreasing
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX

@@ -1,6 +1,6 @@
 """Load, process and pack a recipe's data, and print what happened.
 
-    python scripts/inspect_data.py --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
+    python -m scripts.inspect_data --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
 
 Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
 text vs image vs video tokens, image and video counts, ViT patches, and a few decoded samples with the label mask:
@@ -14,9 +14,6 @@ import itertools
 import logging
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from core.config_tree import ConfigError
 from core.families import hf_config

@@ -1,6 +1,6 @@
 """Where a training step's time goes: a recipe's optimizer steps under torch.profiler, kernels by category.
 
-    python scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 3] [--warmup 3] \
+    python -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 3] [--warmup 3] \
         [--out DIR] [--top 25] [dotted.key=value ...]
     make profile CONFIG=recipes/... ARGS="--steps 3 kernels.mrope=unfused"
 
@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.config_tree import ConfigError
+from training import loop
+from training.config import load_config
+from training.setup import build_accelerator, build_training
 
-from core.config_tree import ConfigError  # noqa: E402
-from training import loop  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.setup import build_accelerator, build_training  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the
 # specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).

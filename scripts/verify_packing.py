@@ -12,19 +12,17 @@ The recipe's packing.mode is forced to "packed"; everything else (model, dtype, 
 MoE models: the packed run takes the per-sample run's top-k expert choices (pinned, verification/routing_pin.py), so a
 near-tie token rounded onto another expert cannot pass for a leak; each pack prints how many choices would flip.
 
-    python scripts/verify_packing.py --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
+    python -m scripts.verify_packing --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.pipeline import build_data, load_processor
 from training.config import load_config
 from training.modeling import build_model

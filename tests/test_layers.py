@@ -50,3 +50,9 @@ def test_triton_kernels_do_not_import_transformers():
     """The Triton kernel layer is usable without transformers (flash-attention's rotary layering)."""
     names = imported_modules(ROOT / "mrope_kernels" / "triton_rope.py")
     assert not {n for n in names if n.split(".")[0] in {"transformers", *FIRST_PARTY} - {"mrope_kernels"}}
+
+
+def test_scripts_run_as_modules_without_path_edits():
+    """Scripts run as `python -m scripts.x` from the repository root: none edits sys.path to find the packages."""
+    offenders = [path.name for path in sorted((ROOT / "scripts").glob("*.py")) if "sys.path" in path.read_text()]
+    assert not offenders

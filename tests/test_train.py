@@ -620,9 +620,9 @@ def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_p
 
 
 def test_inspect_data_config_error_is_one_line():
-    """scripts/inspect_data.py answers a config mistake with one line and exit status 1, like train.py."""
+    """`python -m scripts.inspect_data` answers a config mistake with one line and exit status 1, like train.py."""
     process = subprocess.run(
-        [sys.executable, "scripts/inspect_data.py", "--config", TINY, "train.seed=-1"],
+        [sys.executable, "-m", "scripts.inspect_data", "--config", TINY, "train.seed=-1"],
         cwd=Path(train.__file__).parent,
         capture_output=True,
         text=True,
