@@ -40,22 +40,22 @@ format: install  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff format .
 
 bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
-	$(PY) scripts/bench_mrope.py --out artifacts/bench/bench_mrope.json
+	$(PY) -m scripts.bench_mrope --out artifacts/bench/bench_mrope.json
 
 smoke-test:  ## set up if needed, then train the tiny model on the built-in data (one GPU with fused rope, else a smaller CPU run) and print a summary
-	$(PY) scripts/smoke_test.py $(ARGS)
+	$(PY) -m scripts.smoke_test $(ARGS)
 
 inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency
-	$(PY) scripts/inspect_data.py --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.inspect_data --config $(CONFIG) $(ARGS)
 
 verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
-	$(PY) scripts/verify_packing.py --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.verify_packing --config $(CONFIG) $(ARGS)
 
 compare:  ## wandb throughput comparison: fused vs unfused rope (and packed vs padded)
-	$(PY) scripts/compare_throughput.py --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.compare_throughput --config $(CONFIG) $(ARGS)
 
 profile:  ## torch.profiler on a few training steps: top kernels, device time by category, trace (artifacts/profile)
-	$(PY) scripts/profile_step.py --config $(CONFIG) $(ARGS)
+	$(PY) -m scripts.profile_step --config $(CONFIG) $(ARGS)
 
 clean:  ## remove caches and run outputs (keeps .venv)
 	rm -rf .pytest_cache .ruff_cache artifacts runs wandb

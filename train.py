@@ -7,23 +7,23 @@
 `--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
 
 Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer
-(training/setup.py) → loop (training/loop.py) → export and summary. The run directory (`train.output_dir`)
-receives config.yaml, metrics.jsonl, summary.json, checkpoints/, final/ and wandb/.
+(training/setup.py) → loop (training/loop.py; metrics in training/metrics.py) → export and summary. The run
+directory (`train.output_dir`, training/run_files.py) receives config.yaml, metrics.jsonl, summary.json,
+checkpoints/, final/ and wandb/.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
 from pathlib import Path
 
+from core.config_tree import ConfigError
 from data.formats import DataError
-from training import checkpoint, distributed, loop, optim, resume, tracking
+from training import checkpoint, distributed, loop, metrics, optim, resume, run_files, tracking
 from training.config import load_config
-from training.config_tree import ConfigError
 from training.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")
@@ -54,7 +54,7 @@ def prepare_run_dir(cfg) -> Path:
     return run_dir
 
 
-def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tuple[int, loop.TimedTotals]:
+def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tuple[int, metrics.TimedTotals]:
     """Load the checkpoint into the prepared objects; (its step, the run's timed totals so far). The optimizer keeps
     the config's hyperparameters, not the checkpoint's (they differ only with --allow-config-change)."""
     configured = optim.config_hyperparameters(setup.optimizer)
@@ -62,7 +62,7 @@ def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tu
     optim.reapply_hyperparameters(setup.optimizer, setup.scheduler, configured)
     setup.train_loader.load_state_dict(state["data"])
     log.info("resumed from %s at step %d", directory, step)
-    return step, loop.TimedTotals(**state.get("timing", {}))
+    return step, metrics.TimedTotals(**state.get("timing", {}))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -77,38 +77,24 @@ def main(argv: list[str] | None = None) -> dict:
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
 
     checkpointer = checkpoint.Checkpointer(accelerator, run_dir, cfg.checkpoint)
-    start_step, timed = 0, loop.TimedTotals()
+    start_step, timed = 0, metrics.TimedTotals()
     if resume_from is not None:
         start_step, timed = restore(setup, checkpointer, resume_from)
     if accelerator.is_main_process:
         resume.record_config(cfg, run_dir, start_step if resume_from is not None else None, changes)
 
-    summary_file = run_dir / "summary.json"
     export_dir = run_dir / "final"
     needs_export = cfg.checkpoint.export and not checkpoint.export_complete(export_dir)
-    if start_step >= cfg.train.max_steps and summary_file.is_file() and not needs_export:
+    if start_step >= cfg.train.max_steps and run_files.has_summary(run_dir) and not needs_export:
         log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
         accelerator.end_training()
-        return json.loads(summary_file.read_text())
+        return run_files.read_summary(run_dir)
     trains = start_step < cfg.train.max_steps
     if trains:
-        timed = loop.train(
-            cfg,
-            accelerator,
-            setup.module,
-            setup.optimizer,
-            setup.scheduler,
-            setup.train_loader,
-            setup.eval_loader,
-            setup.flop_profile,
-            checkpointer,
-            run_dir,
-            start_step,
-            timed,
-        )
+        timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
         checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype)
-    summary = loop.summarize(
+    summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )
     accelerator.wait_for_everyone()  # ranks tear the process group down together (gloo hangs otherwise)

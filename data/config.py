@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from training.config_tree import ConfigError, check_seed
+from core.config_tree import ConfigError, check_seed
 
 
 @dataclass

@@ -1,4 +1,6 @@
-"""The data pipeline's entry points for the trainer: `load_processor(cfg)` and `build_data(cfg, …)`.
+"""The data pipeline's entry points for the trainer: `load_processor(model, data)` and `build_data(data, packing, …)`.
+
+Both take the recipe sections they read (`model`, `data`, `packing`), never the whole training config.
 
 records (data/sources.py) → per-sample processing, parallel and cached (data/processing.py) → skip accounting →
 per-epoch plan: shuffled order, best-fit-decreasing packs, rank-balanced steps, whole optimizer steps
@@ -24,15 +26,16 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.utils import cached_file
 
+from core.config_tree import ConfigError
+from core.families import hf_config
 from data.collate import Collator
+from data.config import DataConfig, PackingConfig
 from data.formats import SKIP_REASONS, DataError
 from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.sources import open_records
-from data.tiny_processor import PROCESSOR_FOR_MODEL_TYPE, load_or_build_tiny_processor
+from data.tiny_processor import image_only_processor_class, load_or_build_tiny_processor
 from data.video import VideoSettings
-from training.config_tree import ConfigError
-from training.modeling import hf_config
 
 logger = logging.getLogger(__name__)
 PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
@@ -42,26 +45,27 @@ SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
 
 
-def cache_root(cfg) -> str:
-    return cfg.data.cache_dir or DEFAULT_CACHE_ROOT
+def cache_root(data_cfg: DataConfig) -> str:
+    return data_cfg.cache_dir or DEFAULT_CACHE_ROOT
 
 
-def load_processor(cfg):
-    """The recipe's processor: `model.processor` or `model.name_or_path` via AutoProcessor, else the tiny one.
+def load_processor(model_cfg, data_cfg: DataConfig):
+    """The recipe's processor: `model.processor` or `model.name_or_path` via AutoProcessor, else the tiny one
+    (cached under `data.cache_dir`). `model_cfg`: the recipe's `model` section; `data_cfg`: its `data` section.
 
     Without torchvision, transformers cannot build a Qwen-VL video processor, so AutoProcessor fails for real
     checkpoints; then the family's image-only processor is assembled from the checkpoint's tokenizer, image
     processor and chat template (videos go through the image processor frame by frame: data/video.py).
     """
-    source = cfg.model.processor or cfg.model.name_or_path
+    source = model_cfg.processor or model_cfg.name_or_path
     if source is None:
-        return load_or_build_tiny_processor(cache_root(cfg), hf_config(cfg.model))
-    if cfg.model.processor and not os.path.isdir(source) and source.startswith(("/", "./", "../", "~")):
+        return load_or_build_tiny_processor(cache_root(data_cfg), hf_config(model_cfg))
+    if model_cfg.processor and not os.path.isdir(source) and source.startswith(("/", "./", "../", "~")):
         raise ConfigError(f"model.processor={source} is not a directory (a Hub id is 'owner/name').")
     try:
         return AutoProcessor.from_pretrained(source)
     except (ImportError, OSError, ValueError, AttributeError, TypeError) as error:
-        model_type = hf_config(cfg.model).model_type
+        model_type = hf_config(model_cfg).model_type
         logger.warning("AutoProcessor(%s) failed (%s); using the image-only %s processor.", source, error, model_type)
         tokenizer = AutoTokenizer.from_pretrained(source)
         image_processor = AutoImageProcessor.from_pretrained(source)
@@ -69,7 +73,7 @@ def load_processor(cfg):
         chat_template = Path(template_file).read_text() if template_file else tokenizer.chat_template
         if chat_template is None:
             raise ValueError(f"{source} has no chat template (chat_template.jinja or the tokenizer's).") from error
-        return PROCESSOR_FOR_MODEL_TYPE[model_type](
+        return image_only_processor_class(model_type)(
             image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
         )
 
@@ -126,7 +130,7 @@ def image_files_signature(records: Dataset, sample_processor: SampleProcessor) -
 
 
 def processing_fingerprint(
-    cfg, processor, model_config: PretrainedConfig, source_fingerprint: str, images_signature: str
+    data_cfg: DataConfig, processor, model_config: PretrainedConfig, source_fingerprint: str, images_signature: str
 ) -> str:
     """Cache key of the processed dataset: everything its rows depend on. The source data (its contents' hash for
     JSON files), the image files (`image_files_signature`), the data settings, processor, the model config's
@@ -137,8 +141,8 @@ def processing_fingerprint(
         "version": PROCESSING_VERSION,
         "source": source_fingerprint,
         "images": images_signature,
-        "data": [cfg.data.path, cfg.data.image_root, cfg.data.format, cfg.data.min_pixels, cfg.data.max_pixels],
-        "video": [cfg.data.video_fps, cfg.data.video_max_frames, cfg.data.video_min_pixels, cfg.data.video_max_pixels],
+        "data": [data_cfg.path, data_cfg.image_root, data_cfg.format, data_cfg.min_pixels, data_cfg.max_pixels],
+        "video": [data_cfg.video_fps, data_cfg.video_max_frames, data_cfg.video_min_pixels, data_cfg.video_max_pixels],
         "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
         "chat_template": processor.chat_template,
         "image_processor": processor.image_processor.to_json_string(),
@@ -333,13 +337,20 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
     return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))
 
 
-def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerprint: str, stats: DataStats):
+def _in_memory(
+    data_cfg: DataConfig,
+    max_tokens: int,
+    records: Dataset,
+    sample_processor: SampleProcessor,
+    fingerprint: str,
+    stats: DataStats,
+):
     processed = records.map(
         sample_processor,
         with_indices=True,
         remove_columns=records.column_names,
         features=PROCESSED_FEATURES,
-        num_proc=cfg.data.num_proc if cfg.data.num_proc > 1 else None,
+        num_proc=data_cfg.num_proc if data_cfg.num_proc > 1 else None,
         new_fingerprint=fingerprint,
         desc="processing samples",
     )
@@ -347,10 +358,10 @@ def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerp
     columns = ["sample_id", "skip_reason", "skip_detail", "length", "num_patches", "video_grid_thw"]
     meta = processed.select_columns(columns)
     splits: dict[bool, list[int]] = {False: [], True: []}
-    raise_errors = cfg.data.on_error == "raise"
+    raise_errors = data_cfg.on_error == "raise"
     for index, row in enumerate(meta):
-        if _kept_item(row, cfg.packing.max_tokens, stats, raise_errors) is not None:
-            splits[is_eval_row(index, cfg.data.eval_fraction)].append(index)
+        if _kept_item(row, max_tokens, stats, raise_errors) is not None:
+            splits[is_eval_row(index, data_cfg.eval_fraction)].append(index)
     stats.kept_train, stats.kept_eval = len(splits[False]), len(splits[True])
     lengths = np.asarray(meta["length"], dtype=np.int64)
     patches = np.asarray(meta["num_patches"], dtype=np.int64)
@@ -359,7 +370,7 @@ def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerp
         def items(epoch: int) -> Iterator[PackItem]:
             order = np.asarray(indices, dtype=np.int64)
             if shuffle:
-                order = np.random.default_rng([cfg.data.seed, epoch]).permutation(order)
+                order = np.random.default_rng([data_cfg.seed, epoch]).permutation(order)
             for i in order.tolist():
                 yield PackItem(key=i, length=int(lengths[i]), num_patches=int(patches[i]))
 
@@ -371,9 +382,11 @@ def _in_memory(cfg, records: Dataset, sample_processor: SampleProcessor, fingerp
     return items_of(splits[False], shuffle=True), items_of(splits[True], shuffle=False), fetch
 
 
-def _streaming(cfg, records, sample_processor: SampleProcessor, stats: DataStats):
+def _streaming(
+    data_cfg: DataConfig, packing_cfg: PackingConfig, records, sample_processor: SampleProcessor, stats: DataStats
+):
     """Items that carry their processed rows. The first training pass over the data fills `stats`."""
-    raise_errors = cfg.data.on_error == "raise"
+    raise_errors = data_cfg.on_error == "raise"
     indexed = records.map(lambda record, index: {ROW_INDEX_COLUMN: index}, with_indices=True)
     counted_epochs: set[int] = set()
 
@@ -382,13 +395,13 @@ def _streaming(cfg, records, sample_processor: SampleProcessor, stats: DataStats
             count = shuffle and not counted_epochs
             stream = indexed
             if shuffle:  # through a buffer: rows differ by epoch, the split does not (it uses the original index)
-                stream = indexed.shuffle(seed=cfg.data.seed, buffer_size=cfg.packing.buffer_size)
+                stream = indexed.shuffle(seed=data_cfg.seed, buffer_size=packing_cfg.buffer_size)
                 stream.set_epoch(epoch)
             for record in stream:
                 index = record.pop(ROW_INDEX_COLUMN)
                 row = sample_processor(record, index)
-                held_out = is_eval_row(index, cfg.data.eval_fraction)
-                item = _kept_item(row, cfg.packing.max_tokens, stats if count else DataStats(), raise_errors)
+                held_out = is_eval_row(index, data_cfg.eval_fraction)
+                item = _kept_item(row, packing_cfg.max_tokens, stats if count else DataStats(), raise_errors)
                 if count:
                     stats.records += 1
                     stats.kept_eval += item is not None and held_out
@@ -403,55 +416,65 @@ def _streaming(cfg, records, sample_processor: SampleProcessor, stats: DataStats
     return items_of(False, shuffle=True), items_of(True, shuffle=False), lambda keys: list(keys)
 
 
-def build_data(cfg, processor, model_config: PretrainedConfig, rank: int = 0, world_size: int = 1):
-    """(train_loader, eval_loader, stats) for the recipe `cfg` (training.config tree).
+def build_data(
+    data_cfg: DataConfig,
+    packing_cfg: PackingConfig,
+    processor,
+    model_config: PretrainedConfig,
+    rank: int = 0,
+    world_size: int = 1,
+    grad_accum_steps: int = 1,
+):
+    """(train_loader, eval_loader, stats) for the recipe's `data` and `packing` sections.
 
     train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
-    padded, docs/architecture.md), each epoch a whole number of optimizer steps of train.grad_accum_steps
+    padded, docs/architecture.md), each epoch a whole number of optimizer steps of `grad_accum_steps`
     micro-batches, with state_dict()/load_state_dict(). eval_loader: one unshuffled pass over the held-out
     samples, in steps of one batch per rank. stats: DataStats (records, kept per split, skipped per reason).
     """
-    records, image_root = open_records(cfg.data, cache_root(cfg))
-    video = VideoSettings.from_config(cfg.data, processor.image_processor)
+    records, image_root = open_records(data_cfg, cache_root(data_cfg))
+    video = VideoSettings.from_config(data_cfg, processor.image_processor)
     sample_processor = SampleProcessor(
         processor,
         model_config,
-        data_format=cfg.data.format,
+        data_format=data_cfg.format,
         image_root=image_root,
-        min_pixels=cfg.data.min_pixels,
-        max_pixels=cfg.data.max_pixels,
+        min_pixels=data_cfg.min_pixels,
+        max_pixels=data_cfg.max_pixels,
         video=video,
-        raise_errors=cfg.data.on_error == "raise",
+        raise_errors=data_cfg.on_error == "raise",
     )
     stats = DataStats()
-    if cfg.data.streaming:
-        train_items, eval_items, fetch = _streaming(cfg, records, sample_processor, stats)
+    if data_cfg.streaming:
+        train_items, eval_items, fetch = _streaming(data_cfg, packing_cfg, records, sample_processor, stats)
     else:
         images = image_files_signature(records, sample_processor)
-        fingerprint = processing_fingerprint(cfg, processor, model_config, records._fingerprint, images)
-        train_items, eval_items, fetch = _in_memory(cfg, records, sample_processor, fingerprint, stats)
+        fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
+        train_items, eval_items, fetch = _in_memory(
+            data_cfg, packing_cfg.max_tokens, records, sample_processor, fingerprint, stats
+        )
         logger.log(logging.WARNING if stats.skipped else logging.INFO, "data: %s", stats.summary())
     collator = Collator(
         processor.image_processor,
-        image_size_kwargs(processor.image_processor, cfg.data.min_pixels, cfg.data.max_pixels),
+        image_size_kwargs(processor.image_processor, data_cfg.min_pixels, data_cfg.max_pixels),
         image_token_id=model_config.image_token_id,
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
         video=video,
-        raise_errors=cfg.data.on_error == "raise",
+        raise_errors=data_cfg.on_error == "raise",
     )
-    collate = collator.packed if cfg.packing.mode == "packed" else collator.padded
-    common = {"fetch": fetch, "collate": collate, "packing_cfg": cfg.packing, "rank": rank, "world_size": world_size}
+    collate = collator.packed if packing_cfg.mode == "packed" else collator.padded
+    common = {"fetch": fetch, "collate": collate, "packing_cfg": packing_cfg, "rank": rank, "world_size": world_size}
     # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
-    num_workers = 0 if cfg.data.streaming else cfg.data.num_workers
+    num_workers = 0 if data_cfg.streaming else data_cfg.num_workers
     common["num_workers"] = num_workers
     train_loader = StepLoader(
         train_items,
-        seed=cfg.data.seed,
+        seed=data_cfg.seed,
         epochs=None,
-        grad_accum_steps=cfg.train.grad_accum_steps,
+        grad_accum_steps=grad_accum_steps,
         stats=stats,
         **common,
     )
-    eval_loader = StepLoader(eval_items, seed=cfg.data.seed, epochs=1, name="eval", **common)
+    eval_loader = StepLoader(eval_items, seed=data_cfg.seed, epochs=1, name="eval", **common)
     return train_loader, eval_loader, stats

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from transformers import PretrainedConfig
 
-from training.modeling import model_class
+from core.families import model_class
 
 RopeIndexFn = Callable[..., torch.Tensor]
 

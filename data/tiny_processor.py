@@ -15,11 +15,8 @@ from pathlib import Path
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoProcessor, PretrainedConfig, PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
-from data.image_only_processor import (
-    Qwen2_5_VLImageOnlyProcessor,
-    Qwen2VLImageOnlyProcessor,
-    Qwen3VLImageOnlyProcessor,
-)
+from core.families import FAMILIES
+from data import image_only_processor
 from data.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.synthetic import corpus_texts
 
@@ -49,14 +46,12 @@ TINY_MIN_TOKENS, TINY_MAX_TOKENS = 16, 256  # LLM tokens per image after the 2x2
 TINY_PROCESSOR_VERSION = 2  # part of the cache directory's name: bump when the template or tokenizer changes
 
 
-PROCESSOR_FOR_MODEL_TYPE = {
-    "qwen2_vl": Qwen2VLImageOnlyProcessor,
-    "qwen2_5_vl": Qwen2_5_VLImageOnlyProcessor,
-    "qwen3_vl": Qwen3VLImageOnlyProcessor,
-    "qwen3_vl_moe": Qwen3VLImageOnlyProcessor,
-    "qwen3_5": Qwen3VLImageOnlyProcessor,
-    "qwen3_5_moe": Qwen3VLImageOnlyProcessor,
-}
+def image_only_processor_class(model_type: str) -> type:
+    """The family's image-only processor class (data/image_only_processor.py); ValueError for an unknown family."""
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise ValueError(f"no image-only processor for model_type {model_type!r}.")
+    return getattr(image_only_processor, family.processor)
 
 
 def train_tiny_tokenizer(texts: list[str], vocab_size: int = TINY_VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -96,9 +91,7 @@ def vision_geometry(model_config: PretrainedConfig) -> tuple[int, int, int]:
 
 def build_tiny_processor(model_config: PretrainedConfig):
     """A fresh tiny processor for `model_config`'s family and vision geometry (trains the tokenizer: ~1 s)."""
-    processor_class = PROCESSOR_FOR_MODEL_TYPE.get(model_config.model_type)
-    if processor_class is None:
-        raise ValueError(f"no tiny processor for model_type {model_config.model_type!r}.")
+    processor_class = image_only_processor_class(model_config.model_type)
     patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
     pixels_per_token = (patch_size * merge_size) ** 2
     image_processor = Qwen2VLImageProcessorPil(
@@ -115,7 +108,7 @@ def build_tiny_processor(model_config: PretrainedConfig):
 def tiny_processor_dir(cache_root: str | os.PathLike, model_config: PretrainedConfig) -> Path:
     """Where the tiny processor for this family and vision geometry is cached."""
     patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
-    name = PROCESSOR_FOR_MODEL_TYPE[model_config.model_type].__name__
+    name = image_only_processor_class(model_config.model_type).__name__
     return (
         Path(cache_root)
         / f"tiny-processor-v{TINY_PROCESSOR_VERSION}-{name}-p{patch_size}m{merge_size}t{temporal_patch_size}"

@@ -33,6 +33,7 @@ from typing import Literal
 import torch
 import transformers
 
+from core.families import FAMILIES, Family
 from mrope_kernels import ops
 
 logger = logging.getLogger(__name__)
@@ -78,38 +79,6 @@ class VisionRopeArgs:
 
     def __init__(self, inv_freq: torch.Tensor):
         self.inv_freq = inv_freq
-
-
-@dataclasses.dataclass(frozen=True)
-class _Family:
-    name: str
-    text_rotary: str
-    vision_rotary: str
-    interleaved: bool  # mRoPE lane layout: Qwen3-VL / Qwen3.5 interleave t/h/w lanes, Qwen2/2.5-VL chunk them
-    window_vision_model: str | None = None  # vision tower that reorders rotary tables into attention windows
-
-    @property
-    def modeling_module(self) -> str:
-        return f"transformers.models.{self.name}.modeling_{self.name}"
-
-
-FAMILIES = {
-    f.name: f
-    for f in (
-        _Family("qwen2_vl", "Qwen2VLRotaryEmbedding", "Qwen2VLVisionRotaryEmbedding", interleaved=False),
-        _Family(
-            "qwen2_5_vl",
-            "Qwen2_5_VLRotaryEmbedding",
-            "Qwen2_5_VLVisionRotaryEmbedding",
-            interleaved=False,
-            window_vision_model="Qwen2_5_VisionTransformerPretrainedModel",
-        ),
-        _Family("qwen3_vl", "Qwen3VLTextRotaryEmbedding", "Qwen3VLVisionRotaryEmbedding", interleaved=True),
-        _Family("qwen3_vl_moe", "Qwen3VLMoeTextRotaryEmbedding", "Qwen3VLMoeVisionRotaryEmbedding", interleaved=True),
-        _Family("qwen3_5", "Qwen3_5TextRotaryEmbedding", "Qwen3_5VisionRotaryEmbedding", interleaved=True),
-        _Family("qwen3_5_moe", "Qwen3_5MoeTextRotaryEmbedding", "Qwen3_5MoeVisionRotaryEmbedding", interleaved=True),
-    )
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +173,7 @@ def patch_model(model: torch.nn.Module) -> PatchReport:
         setattr(module, attr, method)
     _acquire_globals(modeling, function_names)
     report = PatchReport(
-        family=family.name,
+        family=family.model_type,
         transformers_version=transformers.__version__,
         modules=tuple(replaced),
         functions=tuple(f"{family.modeling_module}.{name}" for name in function_names),
@@ -248,7 +217,7 @@ def apply_rope_choice(model: torch.nn.Module, choice: Literal["fused", "unfused"
 
 
 def _plan_overrides(
-    model: torch.nn.Module, family: _Family, rotaries: list[tuple[str, torch.nn.Module]]
+    model: torch.nn.Module, family: Family, rotaries: list[tuple[str, torch.nn.Module]]
 ) -> tuple[list[tuple[torch.nn.Module, str, types.MethodType]], list[ReplacedModule], list[str]]:
     """Validate every rotary module and build (without applying) the instance overrides, their report entries and
     the module-global functions they need; PatchError on the first thing that cannot be reproduced exactly."""
@@ -277,7 +246,7 @@ def _plan_overrides(
     return overrides, replaced, sorted(function_names)
 
 
-def _find_rotary_modules(model: torch.nn.Module) -> tuple[_Family, list[tuple[str, torch.nn.Module]]]:
+def _find_rotary_modules(model: torch.nn.Module) -> tuple[Family, list[tuple[str, torch.nn.Module]]]:
     """The model's family and its text/vision rotary module instances; PatchError if none or several families."""
     by_class = {}
     for family in FAMILIES.values():
@@ -288,7 +257,7 @@ def _find_rotary_modules(model: torch.nn.Module) -> tuple[_Family, list[tuple[st
         cls = type(module)
         family = by_class.get((cls.__module__, cls.__name__))
         if family is not None:
-            found.setdefault(family.name, []).append((path, module))
+            found.setdefault(family.model_type, []).append((path, module))
         elif cls.__name__.endswith("RotaryEmbedding") and cls.__module__ in {
             f.modeling_module for f in FAMILIES.values()
         }:
@@ -315,7 +284,7 @@ def _scaling_of(path: str, module: torch.nn.Module) -> float:
     return float(scaling)
 
 
-def _text_rotary_forward(path: str, module: torch.nn.Module, family: _Family) -> tuple[types.MethodType, str]:
+def _text_rotary_forward(path: str, module: torch.nn.Module, family: Family) -> tuple[types.MethodType, str]:
     """Validated replacement forward for a text rotary module, and its flavour for the report."""
     if module.rope_type != "default":
         raise PatchError(
@@ -368,7 +337,7 @@ def _permute_passing_rope_args(self, input_tensor, window_index: torch.Tensor, s
     return type(self).permute_input_for_window_attn(self, input_tensor, window_index, seq_len)
 
 
-def _attention_classes_calling(model: torch.nn.Module, family: _Family, function_names: list[str]) -> tuple[str, ...]:
+def _attention_classes_calling(model: torch.nn.Module, family: Family, function_names: list[str]) -> tuple[str, ...]:
     """Classes in the model whose forward calls one of the apply functions by its module-global name; PatchError
     if a patched function has no caller (transformers changed how attention applies rotary)."""
     callers: dict[str, set[str]] = {name: set() for name in function_names}

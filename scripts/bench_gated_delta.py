@@ -11,7 +11,7 @@ Three measurements, one process, printed as tables and written as JSON to --out:
    forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), and the delta
    rule alone (fla varlen vs transformers' torch rule per sample); medians of CUDA-event timings.
 
-    python scripts/bench_gated_delta.py --out artifacts/bench_gated_delta.json [--tokens 16384]
+    python -m scripts.bench_gated_delta --out artifacts/bench_gated_delta.json [--tokens 16384]
 """
 
 from __future__ import annotations
@@ -28,11 +28,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from core.families import hf_config, model_class
 from training import gated_delta, gated_delta_check
 from training.config import load_config
 from training.gated_delta_check import GatedDeltaDims
-from training.modeling import hf_config, model_class
 from training.packed import PACK_KWARG, PackedSeqlens
 
 EDGE_LENGTHS = (1, 63, 64, 65)

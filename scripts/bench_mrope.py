@@ -18,7 +18,7 @@ Host µs per call at T = 1 (GPU work of a few µs, so what is measured is the ho
 wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours, the two mechanisms and
 Liger.
 
-    python scripts/bench_mrope.py --out artifacts/bench/bench_mrope.json [--tokens 16384] [--sweep]
+    python -m scripts.bench_mrope --out artifacts/bench/bench_mrope.json [--tokens 16384] [--sweep]
 """
 
 from __future__ import annotations
@@ -37,7 +37,6 @@ import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from mrope_kernels import patch, triton_rope
 from mrope_kernels.ops import _RopeFunction, _rotated
 
@@ -150,7 +149,7 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     liger = _liger(vision)
     if liger is not None:
         impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), inputs, grads)
-    # The two autograd mechanisms issue 16 weighed, bare (no validation, no patch dispatcher), on the kernel's views:
+    # The two autograd mechanisms a fused op can use, bare (no validation, no patch dispatcher), on the kernel's views:
     # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
@@ -343,7 +342,7 @@ def with_floor_ratios(rows: list[dict]) -> None:
 
 
 def check_targets(rows: list[dict]) -> list[dict]:
-    """The targets of issue 16 per case: as trained fwd+bwd <= 1.3x the floor and faster than Liger and
+    """The kernels' targets per case: as trained fwd+bwd <= 1.3x the floor and faster than Liger and
     torch.compile; the kernels <= 1.15x the floor. Missing or failed rows count as misses."""
     checks = []
     for case in dict.fromkeys(r["case"] for r in rows if "fwdbwd_us" in r):
@@ -370,7 +369,7 @@ def print_tables(rows: list[dict], host_rows: list[dict], checks: list[dict]) ->
     print(f"\nhost µs per call at T = 1\n{'case':42s} {'impl':28s} {'fwd':>8s} {'fwd+bwd':>8s}")
     for r in host_rows:
         print(f"{r['case']:42s} {r['impl']:28s} {r['host_fwd_us']:8.1f} {r['host_fwdbwd_us']:8.1f}")
-    print("\ntargets (issue 16):")
+    print("\ntargets:")
     for c in checks:
         misses = [goal for goal, met in c.items() if goal != "case" and not met]
         print(f"  {c['case']:42s} {'all met' if not misses else 'MISSED: ' + ', '.join(misses)}")

@@ -11,7 +11,7 @@ Samples: the built-in dataset (lengths, layouts and image grids from the tiny Qw
 pixels) and a long-tailed synthetic mix (log-normal text lengths, half the samples with one image). Throughput counts
 real (non-pad) tokens. Prints a table and writes JSON to --out. About two minutes on an H200.
 
-    python scripts/bench_packing.py --out artifacts/bench_packing.json
+    python -m scripts.bench_packing --out artifacts/bench_packing.json
 """
 
 from __future__ import annotations
@@ -28,14 +28,13 @@ from datetime import UTC, datetime
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.packing import PackItem, best_fit_decreasing
 from data.pipeline import build_data, load_processor
+from data.processing import IGNORE_INDEX
 from training.config import ModelConfig, load_config
 from training.modeling import build_model
 from training.packed import attention_implementation, enable_packed_forward, packed_model_inputs
-from training.packing_check import (
-    IGNORE_INDEX,
+from verification.packing_check import (
     Sample,
     SampleSpec,
     label_loss,
@@ -115,7 +114,9 @@ def bench_model(tiny: bool, device: str) -> torch.nn.Module:
 def builtin_samples(config, count: int, max_tokens: int, generator: torch.Generator) -> list[Sample]:
     """The built-in dataset's samples as the tiny Qwen2.5-VL pipeline makes them; pixels redrawn for `config`."""
     cfg = load_config(os.path.join(REPO, "recipes/tiny-qwen2_5_vl.yaml"), [f"packing.max_tokens={max_tokens}"])
-    loader, _, _ = build_data(cfg, load_processor(cfg), config)
+    loader, _, _ = build_data(
+        cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), config, grad_accum_steps=cfg.train.grad_accum_steps
+    )
     patch = 3 * config.vision_config.temporal_patch_size * config.vision_config.patch_size**2
     merge = config.vision_config.spatial_merge_size
     samples: list[Sample] = []

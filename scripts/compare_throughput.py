@@ -2,7 +2,7 @@
 (optionally Liger-Kernel's rope, and padded instead of packed batches), one train.py process per run, every variant
 repeated with the variants alternating (A B A B ...), so drift of the machine hits all of them alike.
 
-    python scripts/compare_throughput.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml --steps 14 --warmup 5 \
+    python -m scripts.compare_throughput --config recipes/bench-qwen2_5_vl-3b-shape.yaml --steps 14 --warmup 5 \
         [--repeats 3] [--variants fused,unfused,liger] [--out artifacts/compare/NAME] [dotted.key=value ...]
     make compare CONFIG=recipes/... ARGS="--steps 40"
 
@@ -56,17 +56,15 @@ import statistics
 import subprocess
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from training.config import load_config  # noqa: E402
-from training.config_tree import ConfigError  # noqa: E402
-from training.distributed import SAFE_COLLECTIVES_ENV, kill_process_tree  # noqa: E402
+from core.config_tree import ConfigError
+from core.families import FAMILIES
+from scripts.launch import ROOT, log_tail, run_logged
+from training import run_files
+from training.config import load_config
 
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed"},
@@ -87,7 +85,7 @@ RESERVED_KEYS = {
     "logging.timing_warmup_steps",
     "checkpoint.resume",
 }
-LIGER_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
+LIGER_FAMILIES = tuple(t for t, family in FAMILIES.items() if family.liger_rope)
 HOST_BOUND_THRESHOLD = 0.85  # gpu_busy under this flags a run as host-bound (module docstring)
 BUSY_SAMPLE_S = 0.1
 # Runs train.py with Liger-Kernel's rope assigned to the module globals transformers' attention reads at call
@@ -236,8 +234,7 @@ def run_variant(
     `<out>/<variant>/run<repeat>/train.log`."""
     run_dir = out_dir / variant / f"run{repeat}"
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "summary.json"):  # a rerun into the same --out must not read old numbers
-        (run_dir / stale).unlink(missing_ok=True)
+    run_files.clear_results(run_dir)  # a rerun into the same --out must not read old numbers
     overrides = [
         *args.overrides,
         *(f"{k}={v}" for k, v in VARIANT_OVERRIDES[variant].items()),
@@ -252,24 +249,17 @@ def run_variant(
     ]
     command = [*train_command(variant, model_type, args.launcher), "--config", args.config, *overrides]
     print(f"[compare] {variant} run {repeat}: {shlex.join(command)}", flush=True)
-    env = {**os.environ, **SAFE_COLLECTIVES_ENV}
     log_path = run_dir / "train.log"
-    start = time.perf_counter()
-    with log_path.open("w") as log_file, BusySampler(run_dir / "metrics.jsonl") as sampler:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log_file, stderr=subprocess.STDOUT)
-        try:
-            code = proc.wait(timeout=args.run_timeout)
-        except subprocess.TimeoutExpired:
-            kill_process_tree(proc.pid)
-            proc.wait()
-            code = f"killed after --run-timeout {args.run_timeout} s"
-    wall = time.perf_counter() - start
-    if code != 0:
-        tail = "\n".join(log_path.read_text().splitlines()[-30:])
-        raise RuntimeError(f"variant {variant} run {repeat} failed ({code}); end of {log_path}:\n{tail}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    records = [r for r in records if "loss" in r]
+    with BusySampler(run_dir / run_files.METRICS_FILE) as sampler:
+        outcome = run_logged(command, log_path, args.run_timeout)
+    wall = outcome.wall_s
+    if outcome.code != 0:
+        code = f"killed after --run-timeout {args.run_timeout} s" if outcome.code is None else outcome.code
+        raise RuntimeError(
+            f"variant {variant} run {repeat} failed ({code}); end of {log_path}:\n{log_tail(log_path, 30)}"
+        )
+    summary = run_files.read_summary(run_dir)
+    records = run_files.training_records(run_dir)
     print(
         f"[compare] {variant} run {repeat}: done in {wall:.0f} s, {summary['tokens_per_s_per_gpu'] or 0:.0f} "
         "tokens/s/GPU"

@@ -1,7 +1,7 @@
 r"""N GPUs against one on the same packs per optimizer step: loss parity, tokens/s scaling, peak memory, FSDP2
 resume/export.
 
-    python scripts/distributed_parity.py --out artifacts/distributed/parity.json [--gpus 2] \
+    python -m scripts.distributed_parity --out artifacts/distributed/parity.json [--gpus 2] \
         [--layouts single,ddp,fsdp2] [--packs-per-step P] [--baseline earlier.json,…] \
         [--recipes recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml] [--steps 30] [--shape-steps 16] \
         [--no-resume | --resume-all] [--repeat-single] [dotted.key=value ...]
@@ -37,19 +37,19 @@ layout, each layout here is compared with the baseline's layout of the same name
 same packs per optimizer step (a 2-GPU baseline for a 4-GPU run: --packs-per-step 4) and the same overrides.
 Files written before --packs-per-step existed (2 packs per step, overrides not recorded) lend tokens/s only.
 
-Issue #9, FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs):
+FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs; docs/benchmarks.md):
   S=recipes/bench-qwen2_5_vl-7b-shape.yaml,recipes/bench-qwen3_vl-8b-shape.yaml A=artifacts/distributed
   # 2 GPUs: 1 GPU (twice: its own noise) and FSDP2 at 4 packs per step, FSDP2 at 8 (the packs per step of the 4-
   # and 8-GPU runs)
-  python scripts/distributed_parity.py --out $A/parity-2gpu-p4.json --gpus 2 --packs-per-step 4 --repeat-single \
+  python -m scripts.distributed_parity --out $A/parity-2gpu-p4.json --gpus 2 --packs-per-step 4 --repeat-single \
       --layouts single,fsdp2 --no-resume --steps 12 --shape-steps 12 --launch-timeout 540 --recipes $S
-  python scripts/distributed_parity.py --out $A/parity-2gpu-p8.json --gpus 2 --packs-per-step 8 \
+  python -m scripts.distributed_parity --out $A/parity-2gpu-p8.json --gpus 2 --packs-per-step 8 \
       --layouts fsdp2 --no-resume --steps 12 --shape-steps 12 --recipes $S
   # 4 GPUs
-  python scripts/distributed_parity.py --out $A/parity-4gpu.json --gpus 4 --layouts fsdp2 --no-resume \
+  python -m scripts.distributed_parity --out $A/parity-4gpu.json --gpus 4 --layouts fsdp2 --no-resume \
       --steps 12 --shape-steps 12 --recipes $S --baseline $A/parity-2gpu-p4.json
   # 8 GPUs: 1-GPU tokens/s from the p4 file, FSDP2 on 2 GPUs (tokens/s and losses) from the p8 file
-  python scripts/distributed_parity.py --out $A/parity-8gpu.json --gpus 8 --layouts fsdp2 --no-resume \
+  python -m scripts.distributed_parity --out $A/parity-8gpu.json --gpus 8 --layouts fsdp2 --no-resume \
       --steps 12 --shape-steps 12 --recipes $S --baseline $A/parity-2gpu-p4.json,$A/parity-2gpu-p8.json
 """
 
@@ -59,17 +59,15 @@ import argparse
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from training.config import load_config  # noqa: E402
-from training.distributed import SAFE_COLLECTIVES_ENV, free_port, kill_process_tree  # noqa: E402
+from scripts.launch import free_port, log_tail, run_logged
+from training import run_files
+from training.config import load_config
+from training.distributed import SAFE_COLLECTIVES_ENV
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
 LAYOUTS = ("single", "ddp", "fsdp2")  # what --layouts may name, in launch order
@@ -215,26 +213,32 @@ def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], gpus: 
     """One train.py launch; returns {"summary", "losses" and "grad_norms" (step → value), "wall_s",
     "teardown_hang"}; raises on failure or timeout."""
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl", "summary.json"):
-        (run_dir / stale).unlink(missing_ok=True)
+    run_files.clear_results(run_dir)
     command = [*command_for(layout, gpus, free_port()), "--config", recipe, *overrides, f"train.output_dir={run_dir}"]
-    env = {**os.environ, **SAFE_COLLECTIVES_ENV}
+    env = dict(os.environ)
     if layout in ONE_GPU_LAYOUTS:
         env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     print(f"[parity] {layout}: {shlex.join(command)}", flush=True)
     log_path = run_dir / "train.log"
-    start = time.perf_counter()
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        code, teardown_hang = wait_for_run(proc, run_dir / "summary.json", timeout)
-    wall = time.perf_counter() - start
+    # summary.json appears once every rank is done (it needs their reductions): a rank still alive TEARDOWN_GRACE_S
+    # later hangs in teardown and is killed.
+    outcome = run_logged(
+        command,
+        log_path,
+        timeout,
+        env=env,
+        done_file=run_dir / run_files.SUMMARY_FILE,
+        teardown_grace_s=TEARDOWN_GRACE_S,
+        new_session=True,
+    )
+    code = "timeout" if outcome.code is None else outcome.code
+    teardown_hang, wall = outcome.hung_in_teardown, outcome.wall_s
     if code != 0 and not teardown_hang:
-        tail = "\n".join(log_path.read_text().splitlines()[-25:])
-        raise RuntimeError(f"{layout} run of {recipe} ended with {code} after {wall:.0f} s; {log_path}:\n{tail}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        raise RuntimeError(
+            f"{layout} run of {recipe} ended with {code} after {wall:.0f} s; {log_path}:\n{log_tail(log_path, 25)}"
+        )
+    summary = run_files.read_summary(run_dir)
+    records = run_files.read_metrics(run_dir)
     losses = {r["step"]: r["loss"] for r in records if "loss" in r}
     grad_norms = {r["step"]: r["grad_norm"] for r in records if "grad_norm" in r}
     print(
@@ -251,26 +255,6 @@ def launch(layout: str, recipe: str, run_dir: Path, overrides: list[str], gpus: 
         "wall_s": wall,
         "teardown_hang": teardown_hang,
     }
-
-
-def wait_for_run(proc: subprocess.Popen, summary: Path, timeout: int) -> tuple[int | str, bool]:
-    """Wait for a launch; kill its process group after `timeout` s, or TEARDOWN_GRACE_S after its summary.json
-    appeared (all ranks are done by then: the summary needs their reductions) if a rank never exits.
-    Returns (exit code or "timeout", whether it was killed in teardown)."""
-    deadline = time.monotonic() + timeout
-    done_at = None
-    while True:
-        try:
-            return proc.wait(timeout=2), False
-        except subprocess.TimeoutExpired:
-            now = time.monotonic()
-            if done_at is None and summary.is_file():
-                done_at = now
-            hung_in_teardown = done_at is not None and now - done_at > TEARDOWN_GRACE_S
-            if hung_in_teardown or now > deadline:
-                kill_process_tree(proc.pid)
-                proc.wait()
-                return "timeout", hung_in_teardown
 
 
 def max_gap(a: dict[int, float], b: dict[int, float]) -> float | None:

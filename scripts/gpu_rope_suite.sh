@@ -39,7 +39,7 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one stage, log it, record its st
 }
 
 compare() {  # compare NAME RECIPE VARIANTS
-  step "compare_$1" "$COMPARE_LIMIT" $PY scripts/compare_throughput.py --config "recipes/$2.yaml" --variants "$3" \
+  step "compare_$1" "$COMPARE_LIMIT" $PY -m scripts.compare_throughput --config "recipes/$2.yaml" --variants "$3" \
     --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$1" \
     data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO"
 }
@@ -48,7 +48,7 @@ for stage in $STAGES; do
   case $stage in
     # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
     tests) step gpu_tests 300 bash -c "$PY -m pytest -q tests/test_kernels.py && $PY -m pytest -q -m gpu tests/test_patch.py" ;;
-    bench) step bench_mrope 300 $PY scripts/bench_mrope.py --sweep --out "$OUT/bench_mrope.json" ;;
+    bench) step bench_mrope 300 $PY -m scripts.bench_mrope --sweep --out "$OUT/bench_mrope.json" ;;
     compare-3b) compare 3b bench-qwen2_5_vl-3b-shape fused,unfused,liger ;;
     compare-8b) compare 8b bench-qwen3_vl-8b-shape fused,unfused ;;
     compare-qwen3_5) compare qwen3_5 bench-qwen3_5-shape fused,unfused ;;

@@ -31,20 +31,20 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one step, log it, record its sta
 
 correctness_and_kernels() {
   step gpu_tests 180 $PY -m pytest -q -m gpu tests
-  step bench_mrope 150 $PY scripts/bench_mrope.py --out "$OUT/bench_mrope.json"
+  step bench_mrope 150 $PY -m scripts.bench_mrope --out "$OUT/bench_mrope.json"
   for family in qwen2_vl qwen2_5_vl qwen3_vl qwen3_vl_moe qwen3_5 qwen3_5_moe; do
-    step "verify_packing_$family" 60 $PY scripts/verify_packing.py --config "recipes/tiny-$family.yaml" \
+    step "verify_packing_$family" 60 $PY -m scripts.verify_packing --config "recipes/tiny-$family.yaml" \
       model.dtype=bfloat16
-    step "verify_packing_video_$family" 60 $PY scripts/verify_packing.py --config "recipes/tiny-$family.yaml" \
+    step "verify_packing_video_$family" 60 $PY -m scripts.verify_packing --config "recipes/tiny-$family.yaml" \
       model.dtype=bfloat16 data.video_share=0.7 data.num_samples=200
   done
-  step bench_packing 150 $PY scripts/bench_packing.py --out "$OUT/bench_packing.json"
+  step bench_packing 150 $PY -m scripts.bench_packing --out "$OUT/bench_packing.json"
 }
 
 training_runs() {
-  step smoke_test 240 $PY scripts/smoke_test.py
+  step smoke_test 240 $PY -m scripts.smoke_test
   step train_3b_shape 280 $PY train.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml data.num_workers=8
-  step profile_3b_shape 150 $PY scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
+  step profile_3b_shape 150 $PY -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
     --out "$OUT/profile_3b_shape" data.num_samples=600 data.num_workers=8
   step train_3b_video 300 $PY train.py --config recipes/bench-qwen2_5_vl-3b-video.yaml data.num_workers=8
   cp runs/smoke/summary.json "$OUT/smoke_summary.json" 2>/dev/null

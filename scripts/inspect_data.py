@@ -1,6 +1,6 @@
 """Load, process and pack a recipe's data, and print what happened.
 
-    python scripts/inspect_data.py --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
+    python -m scripts.inspect_data --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
 
 Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
 text vs image vs video tokens, image and video counts, ViT patches, and a few decoded samples with the label mask:
@@ -14,16 +14,13 @@ import itertools
 import logging
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from core.config_tree import ConfigError
+from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
 from training.config import load_config
-from training.config_tree import ConfigError
-from training.modeling import hf_config
 
 
 def describe_sample(
@@ -63,9 +60,11 @@ def main() -> None:
 
     cfg = load_config(args.config, args.overrides)
     model_config = hf_config(cfg.model)
-    processor = load_processor(cfg)
+    processor = load_processor(cfg.model, cfg.data)
     start = time.perf_counter()
-    train_loader, _, stats = build_data(cfg, processor, model_config)
+    train_loader, _, stats = build_data(
+        cfg.data, cfg.packing, processor, model_config, grad_accum_steps=cfg.train.grad_accum_steps
+    )
     built = time.perf_counter() - start
 
     merge = model_config.vision_config.spatial_merge_size**2

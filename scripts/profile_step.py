@@ -1,11 +1,11 @@
 """Where a training step's time goes: a recipe's optimizer steps under torch.profiler, kernels by category.
 
-    python scripts/profile_step.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 3] [--warmup 3] \
+    python -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 3] [--warmup 3] \
         [--out DIR] [--top 25] [dotted.key=value ...]
     make profile CONFIG=recipes/... ARGS="--steps 3 kernels.mrope=unfused"
 
-The model, data, optimizer and step are train.py's (training/setup.py's build_training, training/loop.py's
-optimizer_step); `--warmup` optimizer steps run unprofiled (allocator growth, Triton autotuning), then `--steps`
+The model, data, optimizer and steps are train.py's (training/setup.py's build_training, training/loop.py's
+Steps); `--warmup` optimizer steps run unprofiled (allocator growth, Triton autotuning), then `--steps`
 steps run under the profiler with the device synchronised only before the first and after the last. Writes into
 --out (default artifacts/profile/<recipe>-<rope>; its rank<i>/ per process under accelerate launch):
   trace.json    chrome trace (open in https://ui.perfetto.dev or chrome://tracing)
@@ -36,13 +36,12 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from core.config_tree import ConfigError
+from training import loop
+from training.config import load_config
+from training.setup import build_accelerator, build_training
 
-from training import loop  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.config_tree import ConfigError  # noqa: E402
-from training.setup import build_accelerator, build_training  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 # (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the
 # specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).
@@ -249,30 +248,21 @@ def main(argv: list[str] | None = None) -> dict:
         out_dir = out_dir / f"rank{accelerator.process_index}"
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    params = [p for p in setup.module.parameters() if p.requires_grad]
-    batches = loop.Prefetcher(setup.train_loader, pin=on_cuda)
-
-    def optimizer_step() -> None:
-        host_batches = [next(batches) for _ in range(cfg.train.grad_accum_steps)]
-        loop.optimizer_step(
-            accelerator, setup.module, setup.optimizer, setup.scheduler, params, host_batches, cfg.train.max_grad_norm
-        )
-
-    setup.module.train()
+    steps = loop.Steps(accelerator, setup, cfg.train)
     try:
         for _ in range(args.warmup):
-            optimizer_step()
+            steps.run()
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
         synchronize(device)
         with profile(activities=activities, record_shapes=False) as prof:
             start = time.perf_counter()
             for step in range(args.steps):
                 with record_function(f"{STEP_ANNOTATION}{step}"):  # step boundaries in the trace
-                    optimizer_step()
+                    steps.run()
             synchronize(device)
             wall_s = time.perf_counter() - start
     finally:
-        batches.close()
+        steps.close()
 
     prof.export_chrome_trace(str(out_dir / "trace.json"))
     report = {

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
 import os
 import subprocess
 import sys
@@ -65,7 +64,8 @@ def ensure_environment() -> None:
         sys.exit(f"[smoke] .venv lacks {missing}: delete .venv and run `make install`.")
     print(f"[smoke] {sys.executable} lacks {', '.join(missing)}: creating .venv with `make install`", flush=True)
     subprocess.run(["make", "-C", str(ROOT), "install"], check=True)
-    os.execv(str(venv_python), [str(venv_python), __file__, *sys.argv[1:]])
+    os.chdir(ROOT)  # `-m scripts.smoke_test` resolves from the working directory
+    os.execv(str(venv_python), [str(venv_python), "-m", "scripts.smoke_test", *sys.argv[1:]])
 
 
 def main() -> int:
@@ -83,11 +83,11 @@ def main() -> int:
         print(f"[smoke] FAILED: train.py exited with {result.returncode}", flush=True)
         return result.returncode
 
-    sys.path.insert(0, str(ROOT))
+    from training import run_files
     from training.config import load_config
 
     run_dir = ROOT / load_config(str(ROOT / RECIPE), overrides).train.output_dir
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = run_files.read_summary(run_dir)
     start, end = summary["loss_start"], summary["loss_end"]
     mfu = "n/a (no GPU peak known)" if summary["mfu"] is None else f"{100 * summary['mfu']:.1f}%"
     rate = "n/a" if summary["tokens_per_s_per_gpu"] is None else f"{summary['tokens_per_s_per_gpu']:.0f}"

@@ -7,29 +7,27 @@ of logits, loss and the worst parameter gradient, with unfused and fused rope. E
 beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
 bf16/fp16 models also run both sides on an fp32 copy: its packed vs per-sample difference (column "fp32 copy", the
 worst relative one) must stay within the fp32 tolerance, and each low-precision gradient may differ by up to
-3x the larger of the two runs' own errors against that copy (training/packing_check.py says why).
+3x the larger of the two runs' own errors against that copy (verification/packing_check.py says why).
 The recipe's packing.mode is forced to "packed"; everything else (model, dtype, data, pack budget) is the recipe's.
-MoE models: the packed run takes the per-sample run's top-k expert choices (pinned, training/routing_pin.py), so a
+MoE models: the packed run takes the per-sample run's top-k expert choices (pinned, verification/routing_pin.py), so a
 near-tie token rounded onto another expert cannot pass for a leak; each pack prints how many choices would flip.
 
-    python scripts/verify_packing.py --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
+    python -m scripts.verify_packing --config recipes/tiny-qwen3_5.yaml [--packs 3] [dotted.key=value ...]
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.pipeline import build_data, load_processor
 from training.config import load_config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
-from training.packing_check import (
+from verification.packing_check import (
     RELATIVE_TOLERANCE,
     ROUNDING_FACTOR,
     compare_packed_to_per_sample,
@@ -70,7 +68,13 @@ def main(argv: list[str] | None = None) -> int:
     rtol = args.rtol if args.rtol is not None else RELATIVE_TOLERANCE[model.dtype]
     merge = model.config.vision_config.spatial_merge_size
 
-    train_loader, _, stats = build_data(cfg, load_processor(cfg), model.config)
+    train_loader, _, stats = build_data(
+        cfg.data,
+        cfg.packing,
+        load_processor(cfg.model, cfg.data),
+        model.config,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+    )
     batches = [to_device(b, args.device, model.dtype) for b in itertools.islice(train_loader, args.packs)]
     if not batches:
         print(f"no packs from the recipe's data ({stats.summary()})", file=sys.stderr)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from wandb.proto import wandb_internal_pb2
 
+from core.config_tree import ConfigError
 from scripts import compare_throughput as compare
-from training.config_tree import ConfigError
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 # Small enough for two CPU runs in about a minute: short packs, few samples, two timed steps.

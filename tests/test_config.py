@@ -8,8 +8,8 @@ import re
 import pytest
 
 import train
+from core.config_tree import ConfigError
 from training.config import load_config, save_config
-from training.config_tree import ConfigError
 
 SMOKE = "recipes/smoke.yaml"
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from datasets import Dataset, Image, List
 
+from core.families import hf_config
 from data.config import PackingConfig
 from data.packing import Leftover, PackItem
 from data.pipeline import StepLoader, build_data, load_processor
@@ -20,8 +21,8 @@ from data.processing import IGNORE_INDEX
 from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
 from training.config import load_config
-from training.modeling import build_model, hf_config
-from training.packing_check import sample_position_ids, samples_from_batch
+from training.modeling import build_model
+from verification.packing_check import sample_position_ids, samples_from_batch
 
 
 def recipe(name: str, cache, *overrides: str):
@@ -35,8 +36,12 @@ def cache(tmp_path_factory):
 
 def build(cfg, rank=0, world_size=1):
     model_config = hf_config(cfg.model)
-    processor = load_processor(cfg)
-    return (*build_data(cfg, processor, model_config, rank=rank, world_size=world_size), processor, model_config)
+    processor = load_processor(cfg.model, cfg.data)
+    return (
+        *build_data(cfg.data, cfg.packing, processor, model_config, rank, world_size, cfg.train.grad_accum_steps),
+        processor,
+        model_config,
+    )
 
 
 def epoch_rows(loader, epoch=0):
@@ -341,7 +346,7 @@ def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
         calls.clear()
         cfg = recipe("tiny-qwen2_5_vl", cache, *overrides, *more)
         model_config = build_model(cfg.model).config  # what train.py passes: dtype set, unlike hf_config's
-        stats = build_data(cfg, load_processor(cfg), model_config)[2]
+        stats = build_data(cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), model_config)[2]
         return stats, len(calls)
 
     assert build_counting()[1] == len(good)

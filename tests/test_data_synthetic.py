@@ -5,12 +5,12 @@ import re
 
 from transformers import AutoProcessor, Qwen2_5_VLProcessor
 
+from core.families import hf_config
 from data.pipeline import load_processor
 from data.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.synthetic import NUMBER_WORDS, generate_samples, write_builtin_dataset
 from data.tiny_processor import load_or_build_tiny_processor
 from training.config import load_config
-from training.modeling import hf_config
 
 
 def dataset_bytes(directory):
@@ -97,7 +97,7 @@ def test_checkpoint_processor_without_torchvision_falls_back_to_image_only(tmp_p
     config["processor_class"] = "Qwen2_5_VLProcessor"
     config_file.write_text(json.dumps(config))
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", [f"model.processor={checkpoint}"])
-    processor = load_processor(cfg)
+    processor = load_processor(cfg.model, cfg.data)
     assert isinstance(processor, Qwen2_5_VLProcessor)
     assert processor.chat_template == original.chat_template
     assert processor.tokenizer.get_vocab() == original.tokenizer.get_vocab()

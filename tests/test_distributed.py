@@ -13,14 +13,14 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from training.distributed import free_port, kill_process_tree
+from scripts.launch import free_port, run_logged
+from training import run_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -88,32 +88,24 @@ def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) 
         command[1:1] = [*launcher, f"--num_processes={nproc}", f"--main_process_port={free_port()}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     run_processes(command, run_dir.parent / f"{run_dir.name}.log", f"{nproc}-process run")
-    return json.loads((run_dir / "summary.json").read_text())
+    return run_files.read_summary(run_dir)
 
 
 def run_processes(command: list[str], log_path: Path, what: str) -> str:
-    """Run a (torchrun) command on CPU and return its output; a failure, or a hang past LAUNCH_TIMEOUT_S (the
-    whole process tree is then killed), fails the test with the end of the log."""
+    """Run a (torchrun) command on CPU with the scripts' launcher and return its output; a failure, or a hang past
+    LAUNCH_TIMEOUT_S (the whole process tree is then killed), fails the test with the end of the log."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    with log_path.open("w") as log:
-        proc = subprocess.Popen(
-            command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            kill_process_tree(proc.pid)
-            proc.wait()
-            pytest.fail(f"{what} hung for {LAUNCH_TIMEOUT_S} s; log:\n{log_path.read_text()[-3000:]}")
+    outcome = run_logged(command, log_path, LAUNCH_TIMEOUT_S, env=env, new_session=True)
     output = log_path.read_text()
-    if code != 0:
-        pytest.fail(f"{what} failed (exit {code}); log:\n{output[-3000:]}")
+    if outcome.code is None:
+        pytest.fail(f"{what} hung for {LAUNCH_TIMEOUT_S} s; log:\n{output[-3000:]}")
+    if outcome.code != 0:
+        pytest.fail(f"{what} failed (exit {outcome.code}); log:\n{output[-3000:]}")
     return output
 
 
 def step_records(run_dir: Path) -> dict[int, dict]:
-    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    return {r["step"]: r for r in map(json.loads, lines) if "loss" in r}
+    return {r["step"]: r for r in run_files.training_records(run_dir)}
 
 
 @pytest.fixture(scope="module")
@@ -143,14 +135,14 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_every_step_gives_one_rank_a_text_only_pack(runs):
     """The setup the other tests rely on: on each step of two ranks, rank 0's pack has an image and rank 1's pack
     is text only (so the two-process run below really exercised the dummy-image path)."""
+    from core.families import hf_config
     from data.pipeline import build_data, load_processor
     from training.config import load_config
-    from training.modeling import hf_config
 
     overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
     cfg = load_config(str(ROOT / TINY), [*overrides, "packing.balance_window_steps=1"])
-    processor = load_processor(cfg)
-    loaders = [build_data(cfg, processor, hf_config(cfg.model), rank, 2)[0] for rank in (0, 1)]
+    processor = load_processor(cfg.model, cfg.data)
+    loaders = [build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), rank, 2)[0] for rank in (0, 1)]
     for rank, loader in enumerate(loaders):
         steps = list(loader.steps(0))
         assert len(steps) == 1
@@ -258,21 +250,22 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from data.pipeline import build_data, load_processor
-from training import loop
+from training.step import TrainModule
 from training.config import load_config
-from training.modeling import build_model, hf_config
+from core.families import hf_config
+from training.modeling import build_model
 from training.packed import enable_packed_forward
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 cfg = load_config({recipe!r}, {overrides!r})
-processor = load_processor(cfg)
-packs = [next(iter(build_data(cfg, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
+processor = load_processor(cfg.model, cfg.data)
+packs = [next(iter(build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
 
 def train_module():
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
     enable_packed_forward(model)
-    return loop.TrainModule(model)
+    return TrainModule(model)
 
 labels = sum(pack["num_label_tokens"] for pack in packs)
 reference = train_module()

@@ -8,8 +8,6 @@ import torch
 from transformers import AttentionInterface
 
 from training import gated_delta
-from training.config import load_config
-from training.modeling import build_model
 from training.packed import (
     PACKED_ATTENTION,
     disable_packed_forward,
@@ -19,7 +17,7 @@ from training.packed import (
     packed_model_inputs,
     varlen_dtype,
 )
-from training.packing_check import (
+from verification.packing_check import (
     RELATIVE_TOLERANCE,
     PackingReport,
     SampleSpec,
@@ -27,7 +25,6 @@ from training.packing_check import (
     label_loss,
     pack_samples,
     samples_from_batch,
-    synthetic_sample,
 )
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -78,23 +75,6 @@ MODERATE_SHAPES = {  # wider heads than the tiny recipes (head_dim 128 / 256 as 
 }
 
 
-def tiny_model(family: str, dtype: str = "float32", overrides: tuple[str, ...] | list[str] = ()) -> torch.nn.Module:
-    model_cfg = load_config(f"recipes/tiny-{family}.yaml", list(overrides)).model
-    model_cfg.dtype = dtype
-    return build_model(model_cfg, attn_implementation="sdpa")
-
-
-def samples_for(model, specs, seed: int = 0, device: str = "cpu"):
-    generator = torch.Generator().manual_seed(seed)
-    samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
-    for sample in samples:
-        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):  # seconds keep float64: positions are derived from them
-            value = getattr(sample, name)
-            if value is not None:
-                setattr(sample, name, value.to(device, model.dtype if name.startswith("pixel_values") else None))
-    return samples
-
-
 def merge_size(model) -> int:
     return model.config.vision_config.spatial_merge_size
 
@@ -115,26 +95,26 @@ def apply_rope(model, rope: str) -> None:
 
 @pytest.mark.parametrize("rope", ["unfused", "fused"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_equals_per_sample(family, rope):
+def test_packed_equals_per_sample(tiny_samples, tiny_model, family, rope):
     """Logits, loss and every parameter gradient of a pack equal the per-sample forward+backward (fp32, summation
     noise only): images at the start and end of the pack, text-only, 1-token and multi-image samples, Gated
     DeltaNet layers across boundaries; unfused and fused rope."""
     model = tiny_model(family)
     apply_rope(model, rope)
     enable_packed_forward(model)
-    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_videos_equal_per_sample(family):
+def test_packed_videos_equal_per_sample(tiny_samples, tiny_model, family):
     """Videos (several temporal patches, so the temporal mRoPE axis advances; Qwen2.5-VL spaced by
     second_per_grid_ts; Qwen3-VL/3.5 one timestamped block per temporal patch) mixed with images and text in one
     pack: logits, loss and every gradient equal the per-sample forward+backward (fp32), fused rope."""
     model = tiny_model(family)
     apply_rope(model, "fused")
     enable_packed_forward(model)
-    samples = samples_for(model, VIDEO_PACK, seed=2)
+    samples = tiny_samples(model, VIDEO_PACK, seed=2)
     positions = pack_samples(model, samples)["position_ids"]
     video = pack_samples(model, samples)["mm_token_type_ids"][0] == 2
     assert positions[1, 0, video].unique().numel() > 1, "the temporal axis never moved"
@@ -143,22 +123,22 @@ def test_packed_videos_equal_per_sample(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_budget_filling_sample(family):
+def test_budget_filling_sample(tiny_samples, tiny_model, family):
     """A pack holding one sample that fills the whole budget equals that sample's own forward+backward."""
     model = tiny_model(family)
     enable_packed_forward(model)
-    report = compare_packed_to_per_sample(model, samples_for(model, BUDGET_FILLING, seed=1))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, BUDGET_FILLING, seed=1))
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
-def test_packed_equals_per_sample_with_gradient_checkpointing():
+def test_packed_equals_per_sample_with_gradient_checkpointing(tiny_samples, tiny_model):
     """Gradient checkpointing replays the layers with the pack's boundaries: packed == per-sample still."""
     model = tiny_model("qwen3_5")
     # activation_checkpointing_enable is the 5.23 name; 5.17 (the GPU image) only has the older one
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     enable_packed_forward(model)
-    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
@@ -182,40 +162,40 @@ def _compare_with_leaking_attention(model, samples) -> PackingReport:
         AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
 
 
-def test_comparison_catches_leaking_attention():
+def test_comparison_catches_leaking_attention(tiny_samples, tiny_model):
     """Guard: with an attention that ignores the pack (one causal window over all samples) the same comparison
     fails, so the equality tests cannot pass if the packed attention is bypassed."""
     model = tiny_model("qwen2_5_vl")
-    report = _compare_with_leaking_attention(model, samples_for(model, MIXED_PACK))
+    report = _compare_with_leaking_attention(model, tiny_samples(model, MIXED_PACK))
     assert report.logits.relative > 1e-2
     assert report.failures(RELATIVE_TOLERANCE[torch.float32])
 
 
-def test_bf16_comparison_catches_leaking_attention():
+def test_bf16_comparison_catches_leaking_attention(tiny_samples, tiny_model):
     """Guard for low precision: a leak fails in bf16 although the runs' own rounding errors excuse some difference,
     both in the bf16 logits (never excused by the packed run's rounding) and in the fp32 copy's packed vs per-sample
     comparison (judged at the fp32 tolerance)."""
     model = tiny_model("qwen2_5_vl", dtype="bfloat16")
-    report = _compare_with_leaking_attention(model, samples_for(model, MIXED_PACK))
+    report = _compare_with_leaking_attention(model, tiny_samples(model, MIXED_PACK))
     failures = report.failures(RELATIVE_TOLERANCE[torch.bfloat16])
     assert any(f.startswith("logits:") for f in failures), failures
     assert any(f.startswith("fp32 copy, logits:") for f in failures), failures
 
 
-def test_bf16_cpu_vision_heavy_pack_passes():
+def test_bf16_cpu_vision_heavy_pack_passes(tiny_samples, tiny_model):
     """bf16 on the CPU with ~1.3k vision patches in the pack (Qwen3-VL, LayerNorm vision tower): packed ==
     per-sample within the runs' own rounding, and the fp32 copy's packed run equals its per-sample run at the fp32
     tolerance. (The CPU LayerNorm backward sums weight/bias gradients over all rows of a call in bf16, so here the
-    packed run is much less exact than the per-sample one; training/packing_check.py.)"""
+    packed run is much less exact than the per-sample one; verification/packing_check.py.)"""
     model = tiny_model("qwen3_vl", dtype="bfloat16")
     enable_packed_forward(model)
     specs = (SampleSpec(4, ((16, 16), (16, 16)), text_after=4), SampleSpec(3, ((16, 16),)), SampleSpec(5, ((16, 24),)))
-    report = compare_packed_to_per_sample(model, samples_for(model, specs, seed=2))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, specs, seed=2))
     assert report.exact, "no fp32 copy compared"
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
-def test_check_runs_fp32_in_ieee_precision_whatever_the_tf32_settings():
+def test_check_runs_fp32_in_ieee_precision_whatever_the_tf32_settings(tiny_samples, tiny_model):
     """Every forward of the check (the bf16 runs and their fp32 copy) sees IEEE fp32 for matmuls and cuDNN
     convolutions, even where the process allows TF32 (cuDNN convolutions do by default), and the process's settings
     come back afterwards: the fp32 comparisons are judged at the fp32 tolerance."""
@@ -230,7 +210,7 @@ def test_check_runs_fp32_in_ieee_precision_whatever_the_tf32_settings():
         with torch.nn.modules.module.register_module_forward_pre_hook(
             lambda module, args: seen.append(tuple(b.fp32_precision for b in backends.values()))
         ):
-            report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK[:2]))
+            report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK[:2]))
         assert report.exact, "no fp32 copy compared"
         assert seen and set(seen) == {("ieee", "ieee")}
         assert {name: backend.fp32_precision for name, backend in backends.items()} == dict.fromkeys(backends, "tf32")
@@ -239,7 +219,7 @@ def test_check_runs_fp32_in_ieee_precision_whatever_the_tf32_settings():
             backend.fp32_precision = saved[name]
 
 
-def _gdn_layer_and_pack(family: str):
+def _gdn_layer_and_pack(tiny_model, family: str):
     model = tiny_model(family)
     layer = gated_delta.gated_delta_layers(model)[0]
     lengths = (5, 70, 1, 33)
@@ -251,10 +231,10 @@ def _gdn_layer_and_pack(family: str):
 
 
 @pytest.mark.parametrize("family", GDN_FAMILIES)
-def test_gated_delta_torch_path_equals_per_sample(family):
+def test_gated_delta_torch_path_equals_per_sample(tiny_model, family):
     """The boundary-aware Gated DeltaNet forward on a flat pack equals the layer run on each sample alone: the causal
     conv and the recurrent state restart at every boundary (samples longer than one 64-token chunk included)."""
-    model, layer, lengths, hidden, per_sample = _gdn_layer_and_pack(family)
+    model, layer, lengths, hidden, per_sample = _gdn_layer_and_pack(tiny_model, family)
     enable_packed_forward(model)
     inputs = packed_model_inputs(
         model,
@@ -271,15 +251,15 @@ def test_gated_delta_torch_path_equals_per_sample(family):
 
 
 @pytest.mark.parametrize("family", GDN_FAMILIES)
-def test_unpatched_gated_delta_leaks(family):
+def test_unpatched_gated_delta_leaks(tiny_model, family):
     """Guard: transformers' own Gated DeltaNet torch path run on the same flat pack mixes the samples (its conv and
     state run across boundaries), so the test above can fail if our path is bypassed."""
-    _, layer, _, hidden, per_sample = _gdn_layer_and_pack(family)
+    _, layer, _, hidden, per_sample = _gdn_layer_and_pack(tiny_model, family)
     leaked = layer(hidden)
     assert (leaked - per_sample).abs().max() > 1e-3
 
 
-def test_gated_delta_backend_fails_before_training_when_unavailable(monkeypatch):
+def test_gated_delta_backend_fails_before_training_when_unavailable(tiny_model, monkeypatch):
     """Asking for fla's Gated DeltaNet kernels where they cannot train fails at enable time, naming the reason,
     and leaves the model untouched; "auto" falls back to the exact torch path."""
     monkeypatch.setattr(gated_delta, "fla_blocker", lambda: "flash-linear-attention is not installed")
@@ -291,7 +271,7 @@ def test_gated_delta_backend_fails_before_training_when_unavailable(monkeypatch)
     assert enable_packed_forward(model, gated_delta_backend="auto") == "torch"
 
 
-def test_torch_backend_forces_and_restores_the_torch_delta_rule():
+def test_torch_backend_forces_and_restores_the_torch_delta_rule(tiny_model):
     """The torch backend makes the modeling module call transformers' own torch delta rule (never a kernel whose
     backward may refuse) while enabled, and disable_packed_forward puts the original function back."""
     model = tiny_model("qwen3_5")
@@ -303,12 +283,12 @@ def test_torch_backend_forces_and_restores_the_torch_delta_rule():
     assert modeling.torch_chunk_gated_delta_rule is original
 
 
-def test_padded_batch_through_enabled_model():
+def test_padded_batch_through_enabled_model(tiny_samples, tiny_model):
     """The same enabled model serves the padded baseline: a right-padded batch (attention_mask, no pack) gives each
     sample's own logits on its real tokens."""
     model = tiny_model("qwen3_5")
     enable_packed_forward(model)
-    samples = samples_for(model, (SampleSpec(9), SampleSpec(3, ((4, 4),), text_after=4)))
+    samples = tiny_samples(model, (SampleSpec(9), SampleSpec(3, ((4, 4),), text_after=4)))
     alone = [model(input_ids=s.input_ids[None], mm_token_type_ids=s.mm_token_type_ids[None],
                    pixel_values=s.pixel_values, image_grid_thw=s.image_grid_thw, use_cache=False).logits[0]
              for s in samples]  # fmt: skip
@@ -332,11 +312,11 @@ def test_padded_batch_through_enabled_model():
         torch.testing.assert_close(padded[row, : logits.shape[0]], logits, rtol=1e-4, atol=1e-5)
 
 
-def test_packed_inputs_refuse_unprepared_model_and_bad_boundaries():
+def test_packed_inputs_refuse_unprepared_model_and_bad_boundaries(tiny_samples, tiny_model):
     """Packed inputs are refused for a model without the packed forward (its samples would leak silently) and for
     boundaries that disagree with the tokens; disable_packed_forward restores the original model."""
     model = tiny_model("qwen3_5")
-    batch = pack_samples(model, samples_for(model, (SampleSpec(4), SampleSpec(6))))
+    batch = pack_samples(model, tiny_samples(model, (SampleSpec(4), SampleSpec(6))))
     with pytest.raises(ValueError, match="enable_packed_forward"):
         packed_model_inputs(model, batch)
     enable_packed_forward(model)
@@ -351,37 +331,37 @@ def test_packed_inputs_refuse_unprepared_model_and_bad_boundaries():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_equals_per_sample_bf16_gpu(family):
+def test_packed_equals_per_sample_bf16_gpu(tiny_samples, tiny_model, family):
     """On CUDA in bf16 (varlen_attn / flash-attn for text and vision), packed == per-sample within bf16 rounding,
     on a moderate pack (several hundred tokens, several images)."""
     model = tiny_model(family, dtype="bfloat16").cuda()
     enable_packed_forward(model)
     specs = (*MIXED_PACK, SampleSpec(200, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(150))
-    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_packed_videos_equal_per_sample_bf16_gpu(family):
+def test_packed_videos_equal_per_sample_bf16_gpu(tiny_samples, tiny_model, family):
     """On CUDA in bf16, a pack of videos (several temporal patches, timestamps for Qwen3-VL/3.5), images and text
     equals the per-sample runs within bf16 rounding."""
     model = tiny_model(family, dtype="bfloat16").cuda()
     enable_packed_forward(model)
     specs = (*VIDEO_PACK, SampleSpec(100, ((8, 8),), text_between=20, videos=((4, 8, 8),), text_after=40))
-    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", sorted(MODERATE_SHAPES))
-def test_packed_equals_per_sample_bf16_gpu_moderate_heads(family):
+def test_packed_equals_per_sample_bf16_gpu_moderate_heads(tiny_samples, tiny_model, family):
     """The bf16 GPU equality at real head sizes (text head_dim 128 / 256, vision head_dim 128), where the varlen
     kernels take their production code paths."""
     model = tiny_model(family, dtype="bfloat16", overrides=MODERATE_SHAPES[family]).cuda()
     enable_packed_forward(model)
     specs = (*MIXED_PACK, SampleSpec(300, ((8, 8), (4, 12)), text_between=30, text_after=60), SampleSpec(250))
-    report = compare_packed_to_per_sample(model, samples_for(model, specs, device="cuda"))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, specs, device="cuda"))
     assert_within(report, RELATIVE_TOLERANCE[torch.bfloat16])
 
 
@@ -406,7 +386,7 @@ def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scalin
     return _LeakGradientAcrossSamples.apply(out)
 
 
-def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(monkeypatch):
+def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(tiny_samples, tiny_model, monkeypatch):
     """Where the low-precision pack takes the varlen kernel and its fp32 copy cannot, a leak in that kernel's
     backward alone (forward exact, so logits agree) must fail on the gradients: the packed run's error against its
     fp32 copy contains the leak and must not excuse it. Simulated on the CPU by routing bf16 through a leaky
@@ -414,11 +394,11 @@ def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(monkeypatch):
     import training.packed as packed
 
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr("training.packing_check.VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr("verification.packing_check.VARLEN_DEVICES", ("cpu",))
     monkeypatch.setattr(packed, "_varlen_kernel", _varlen_with_backward_leak)
     model = tiny_model("qwen2_5_vl", dtype="bfloat16")
     enable_packed_forward(model)
-    report = compare_packed_to_per_sample(model, samples_for(model, MIXED_PACK))
+    report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
     failures = report.failures(RELATIVE_TOLERANCE[torch.bfloat16])
     assert not report.logits.failed(RELATIVE_TOLERANCE[torch.bfloat16])
     assert any(not line.startswith(("logits", "loss", "fp32 copy")) for line in failures), failures
@@ -439,7 +419,7 @@ def test_varlen_dtype_follows_autocast():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_vl_moe"])
-def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch):
+def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_model, family, monkeypatch):
     """As train.py runs it (fp32 weights, bf16 autocast), every packed attention call of a model with fp32 q/k
     norms goes to the one varlen kernel per layer, never to the per-sample SDPA fallback, and gives the logits of
     the per-segment SDPA path under the same autocast (within bf16 rounding)."""
@@ -459,7 +439,7 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch)
     monkeypatch.setattr(packed, "_per_segment_sdpa", count("per_segment", per_segment))
     model = tiny_model(family).cuda()
     enable_packed_forward(model)
-    batch = pack_samples(model, samples_for(model, MIXED_PACK, device="cuda"))
+    batch = pack_samples(model, tiny_samples(model, MIXED_PACK, device="cuda"))
     with torch.autocast("cuda", dtype=torch.bfloat16):
         logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
     attention_layers = sum(hasattr(layer, "self_attn") for layer in model.model.language_model.layers)
@@ -472,11 +452,11 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(family, monkeypatch)
     assert difference <= RELATIVE_TOLERANCE[torch.bfloat16]
 
 
-def test_samples_from_batch_inverts_pack_samples():
+def test_samples_from_batch_inverts_pack_samples(tiny_samples, tiny_model):
     """Splitting a packed batch gives back each sample: tokens, labels, token types, its own images, videos and
     pixels."""
     model = tiny_model("qwen3_vl")
-    samples = samples_for(model, MIXED_PACK + VIDEO_PACK)
+    samples = tiny_samples(model, MIXED_PACK + VIDEO_PACK)
     for original, split in zip(
         samples, samples_from_batch(pack_samples(model, samples), merge_size(model)), strict=True
     ):

@@ -18,13 +18,12 @@ import torch
 import transformers
 from transformers.vision_utils import get_vision_position_ids
 
+from core import families
 from data.special_tokens import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from mrope_kernels import PatchError, apply_rope_choice, ops, patch_model, reference, unpatch_model
 from mrope_kernels import patch as patch_module
-from training.config import load_config
-from training.modeling import build_model
 
-FAMILIES = list(patch_module.FAMILIES)
+FAMILIES = list(families.FAMILIES)
 # An 8×12-patch image: 24 LLM tokens after the 2×2 merge, and several Qwen2.5-VL attention windows.
 IMAGE_GRID = (1, 8, 12)
 
@@ -34,15 +33,6 @@ class Outputs:
     logits: torch.Tensor
     loss: torch.Tensor
     grads: dict[str, torch.Tensor]
-
-
-def tiny_model(family: str, text_overrides: dict | None = None, vision_overrides: dict | None = None):
-    """The family's tiny recipe model (fp32, seeded), with optional text/vision config fields replaced."""
-    model_cfg = load_config(f"recipes/tiny-{family}.yaml").model
-    config = copy.deepcopy(model_cfg.config)
-    config["text_config"].update(text_overrides or {})
-    config["vision_config"].update(vision_overrides or {})
-    return build_model(dataclasses.replace(model_cfg, config=config, dtype="float32")).train()
 
 
 def image_batch(model, grid=IMAGE_GRID, text_len: int = 8, device="cpu") -> dict:
@@ -170,7 +160,7 @@ def reference_ops(monkeypatch):
 def spy_on_transformers_rotary(monkeypatch, family: str) -> dict[str, CallCounter]:
     """Counters on the family's apply functions and on its rotary modules' cos/sin path (forward and
     recomposition_frequencies of the text and vision rotary classes)."""
-    spec = patch_module.FAMILIES[family]
+    spec = families.FAMILIES[family]
     modeling = importlib.import_module(spec.modeling_module)
     spies = {}
     for name in (patch_module.TEXT_APPLY, patch_module.VISION_APPLY):
@@ -186,7 +176,7 @@ def spy_on_transformers_rotary(monkeypatch, family: str) -> dict[str, CallCounte
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(family, reference_ops, monkeypatch):
+def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(tiny_model, family, reference_ops, monkeypatch):
     """fp32: logits, loss and every gradient match the unpatched model; while patched, none of transformers'
     rotary functions or cos/sin builders runs and our kernels do; unpatching restores outputs bit for bit."""
     spies = spy_on_transformers_rotary(monkeypatch, family)
@@ -206,7 +196,7 @@ def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(family, re
     print(f"{family} fp32 max |patched - unpatched|: {max_diff(patched, unpatched)}")
 
     unpatch_model(model)
-    modeling = importlib.import_module(patch_module.FAMILIES[family].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES[family].modeling_module)
     assert modeling.apply_rotary_pos_emb is spies[patch_module.TEXT_APPLY]
     assert modeling.apply_rotary_pos_emb_vision is spies[patch_module.VISION_APPLY]
     assert_outputs_equal(forward_backward(model, batch), unpatched)
@@ -214,7 +204,7 @@ def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(family, re
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_patched_bf16_within_rounding(family, reference_ops):
+def test_patched_bf16_within_rounding(tiny_model, family, reference_ops):
     """bf16: patched logits, loss and gradients stay within bf16 rounding of the unpatched bf16 model, measured
     against the same weights in fp32."""
     model32 = tiny_model(family)
@@ -235,7 +225,7 @@ def test_patched_bf16_within_rounding(family, reference_ops):
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
 @pytest.mark.parametrize("use_reentrant", [False, True])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_gradient_checkpointing(family, use_reentrant, reference_ops):
+def test_gradient_checkpointing(tiny_model, family, use_reentrant, reference_ops):
     """With gradient checkpointing (text and vision layers), the patched model matches the unpatched one without
     checkpointing, and the recomputed layers run through our kernels again."""
     model = tiny_model(family)
@@ -253,7 +243,7 @@ def test_gradient_checkpointing(family, use_reentrant, reference_ops):
     assert_outputs_close(checkpointed, expected, rtol=1e-5, atol=1e-6)
 
 
-def check_compiled_matches_eager(device: str) -> None:
+def check_compiled_matches_eager(tiny_model, device: str) -> None:
     """torch.compile (aot_eager, fullgraph: any graph break raises) of a patched Qwen3-VL text model and vision
     block reproduces the unpatched eager outputs."""
     model = tiny_model("qwen3_vl").to(device)
@@ -281,21 +271,21 @@ def check_compiled_matches_eager(device: str) -> None:
     torch.testing.assert_close(block_out, block_expected, rtol=1e-5, atol=1e-5)
 
 
-def test_compile_fullgraph_cpu(reference_ops):
+def test_compile_fullgraph_cpu(tiny_model, reference_ops):
     """The patch's carriers, rotary forwards and dispatchers trace into one graph (reference ops on CPU: the
     Triton interpreter does not run inside torch.compile) and reproduce the eager unpatched outputs."""
-    check_compiled_matches_eager("cpu")
+    check_compiled_matches_eager(tiny_model, "cpu")
 
 
 @pytest.mark.gpu
-def test_compile_fullgraph_gpu():
+def test_compile_fullgraph_gpu(tiny_model):
     """On the GPU, the patched model with the Triton custom ops compiles without a graph break and reproduces the
     eager unpatched outputs."""
-    check_compiled_matches_eager("cuda")
+    check_compiled_matches_eager(tiny_model, "cuda")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
-def test_kernel_path_fp32_and_bf16(family):
+def test_kernel_path_fp32_and_bf16(tiny_model, family):
     """With the public ops as shipped (chunked + windowed vision, interleaved, partial rotary), the patched model's
     logits, loss and gradients match the unpatched model in fp32, and stay within bf16 rounding in bf16."""
     model = tiny_model(family)
@@ -319,7 +309,7 @@ def test_kernel_path_fp32_and_bf16(family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vl_model_and_text_model_patch_alone(family, reference_ops):
+def test_vl_model_and_text_model_patch_alone(tiny_model, family, reference_ops):
     """patch_model works on the VL Model (text + vision) and on the text-only model (text rotary and function
     only), each matching its unpatched outputs."""
     model = tiny_model(family)
@@ -339,11 +329,11 @@ def test_vl_model_and_text_model_patch_alone(family, reference_ops):
         text_patched = text_model(inputs_embeds=embeds, position_ids=batch["position_ids"], use_cache=False)
         unpatch_model(text_model)
     assert [m.path for m in report.modules] == ["rotary_emb"]
-    assert report.functions == (f"{patch_module.FAMILIES[family].modeling_module}.apply_rotary_pos_emb",)
+    assert report.functions == (f"{families.FAMILIES[family].modeling_module}.apply_rotary_pos_emb",)
     torch.testing.assert_close(text_patched.last_hidden_state, text_expected.last_hidden_state, rtol=1e-5, atol=1e-6)
 
 
-def test_report_names_what_was_replaced():
+def test_report_names_what_was_replaced(tiny_model):
     """The report lists each replaced module with its flavour (layout, sections, R of D), the window reorder of
     Qwen2.5-VL, the replaced functions and the attention classes that reach them."""
     model = tiny_model("qwen2_5_vl")
@@ -363,15 +353,16 @@ def test_report_names_what_was_replaced():
     assert "text mRoPE interleaved [2, 1, 1], R=8 of D=32" in flavours
 
 
-def test_two_models_of_one_family_with_different_configs(reference_ops):
+def test_two_models_of_one_family_with_different_configs(tiny_model, reference_ops):
     """Two patched models of one family with different rotary configs, and an unpatched third, each give their own
     unpatched outputs; transformers' functions come back only when the last patched model is unpatched."""
-    modeling = importlib.import_module(patch_module.FAMILIES["qwen3_vl"].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES["qwen3_vl"].modeling_module)
     original_apply = modeling.apply_rotary_pos_emb
     models = [
         tiny_model("qwen3_vl"),
         tiny_model(
-            "qwen3_vl", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}}
+            "qwen3_vl",
+            text_config={"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}},
         ),
         tiny_model("qwen3_vl"),
     ]
@@ -388,7 +379,7 @@ def test_two_models_of_one_family_with_different_configs(reference_ops):
     assert modeling.apply_rotary_pos_emb is original_apply
 
 
-def test_deep_copy_of_patched_model_is_patched_and_independent(reference_ops):
+def test_deep_copy_of_patched_model_is_patched_and_independent(tiny_model, reference_ops):
     """A deep copy of a patched model runs patched and stays correct after the original is unpatched; the family's
     functions are restored once both are unpatched."""
     model = tiny_model("qwen2_5_vl")
@@ -404,7 +395,7 @@ def test_deep_copy_of_patched_model_is_patched_and_independent(reference_ops):
     assert_outputs_equal(forward_backward(clone, batch), expected)
 
 
-def test_rope_args_survive_mixed_precision_input_casting(reference_ops):
+def test_rope_args_survive_mixed_precision_input_casting(tiny_model, reference_ops):
     """FSDP2's mixed precision casts each wrapped block's floating-point inputs (through tuples and dataclasses)
     to bf16; the rotary frequencies travelling in position_embeddings stay fp32 and exact."""
     from torch.distributed.utils import _apply_to_tensors
@@ -420,10 +411,10 @@ def test_rope_args_survive_mixed_precision_input_casting(reference_ops):
     unpatch_model(model)
 
 
-def test_dropped_patched_models_give_the_functions_back():
+def test_dropped_patched_models_give_the_functions_back(tiny_model):
     """A patched model (and its deep copy) garbage-collected without unpatch_model no longer holds transformers'
     apply functions: once the last one is gone the originals are back."""
-    modeling = importlib.import_module(patch_module.FAMILIES["qwen3_vl"].modeling_module)
+    modeling = importlib.import_module(families.FAMILIES["qwen3_vl"].modeling_module)
     original = modeling.apply_rotary_pos_emb
     model = tiny_model("qwen3_vl")
     patch_model(model)
@@ -437,7 +428,7 @@ def test_dropped_patched_models_give_the_functions_back():
     assert modeling.apply_rotary_pos_emb is original
 
 
-def test_patch_twice_and_unpatch_unpatched_raise():
+def test_patch_twice_and_unpatch_unpatched_raise(tiny_model):
     """Patching a patched model (or a submodule of it) and unpatching an unpatched one raise PatchError."""
     model = tiny_model("qwen2_vl")
     with pytest.raises(PatchError, match="not patched"):
@@ -462,23 +453,35 @@ def _llama():
 @pytest.mark.parametrize(
     "make_model, reason",
     [
-        (_llama, "no rotary module the fused rope patch knows"),
-        (lambda: torch.nn.Linear(2, 2), "no rotary module"),
-        (lambda: tiny_model("qwen3_vl", {"rope_parameters": {"rope_type": "linear", "factor": 2.0}}), "'linear'"),
+        (lambda tiny_model: _llama(), "no rotary module the fused rope patch knows"),
+        (lambda tiny_model: torch.nn.Linear(2, 2), "no rotary module"),
         (
-            lambda: tiny_model(
+            lambda tiny_model: tiny_model(
+                "qwen3_vl", text_config={"rope_parameters": {"rope_type": "linear", "factor": 2.0}}
+            ),
+            "'linear'",
+        ),
+        (
+            lambda tiny_model: tiny_model(
                 "qwen2_5_vl",
-                {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}},
+                text_config={
+                    "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+                },
             ),
             "'yarn'",
         ),
-        (lambda: tiny_model("qwen3_5", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}), "'dynamic'"),
+        (
+            lambda tiny_model: tiny_model(
+                "qwen3_5", text_config={"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}
+            ),
+            "'dynamic'",
+        ),
     ],
 )
-def test_unsupported_models_raise_and_change_nothing(make_model, reason):
+def test_unsupported_models_raise_and_change_nothing(tiny_model, make_model, reason):
     """Models or rotary configs the kernels cannot reproduce exactly raise PatchError with the reason, and the
     model is left untouched."""
-    model = make_model()
+    model = make_model(tiny_model)
     modules_before = {name: dict(m.__dict__) for name, m in model.named_modules()}
     with pytest.raises(PatchError, match=reason):
         patch_model(model)
@@ -486,7 +489,7 @@ def test_unsupported_models_raise_and_change_nothing(make_model, reason):
     assert not patch_module._GLOBAL_PATCHES  # no family function was replaced
 
 
-def test_untested_transformers_version_and_attention_scaling_raise(monkeypatch):
+def test_untested_transformers_version_and_attention_scaling_raise(tiny_model, monkeypatch):
     """An untested transformers version, or a rotary module with attention_scaling != 1, raises PatchError."""
     model = tiny_model("qwen3_vl")
     monkeypatch.setattr(transformers, "__version__", "5.99.0")
@@ -498,7 +501,7 @@ def test_untested_transformers_version_and_attention_scaling_raise(monkeypatch):
         patch_model(model)
 
 
-def test_apply_rope_choice(caplog):
+def test_apply_rope_choice(tiny_model, caplog):
     """'unfused' leaves the model alone, 'fused' patches or raises, 'auto' patches or logs why it fell back."""
     model = tiny_model("qwen3_5")
     assert apply_rope_choice(model, "unfused") is None
@@ -612,10 +615,12 @@ FULL_SIZE_LAYERS = {
 }
 
 
-def full_size_layer_outputs(family: str, device: str, grid, text_len: int) -> tuple[Outputs, Outputs, Outputs]:
+def full_size_layer_outputs(
+    tiny_model, family: str, device: str, grid, text_len: int
+) -> tuple[Outputs, Outputs, Outputs]:
     """(patched bf16, unpatched bf16, fp32 truth) for one full-size text layer + ViT block of the family."""
     text, vision = FULL_SIZE_LAYERS[family]
-    model32 = tiny_model(family, dict(text, num_hidden_layers=1), vision).to(device)
+    model32 = tiny_model(family, text_config=dict(text, num_hidden_layers=1), vision_config=vision).to(device)
     batch = image_batch(model32, grid=grid, text_len=text_len, device=device)
     truth = forward_backward(model32, batch)
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
@@ -629,10 +634,10 @@ def full_size_layer_outputs(family: str, device: str, grid, text_len: int) -> tu
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", FAMILIES)
-def test_full_size_layer_bf16_gpu(family):
+def test_full_size_layer_bf16_gpu(tiny_model, family):
     """At full-size head dims, sections and θ (one text layer, one ViT block, two samples of 256 image + 512 text
     tokens), the patched bf16 model's logits, loss and gradients are within bf16 rounding of the unpatched one."""
-    patched, unpatched, truth = full_size_layer_outputs(family, "cuda", grid=(1, 32, 32), text_len=512)
+    patched, unpatched, truth = full_size_layer_outputs(tiny_model, family, "cuda", grid=(1, 32, 32), text_len=512)
     assert_bf16_within_rounding(patched, unpatched, truth)
     print(
         f"{family} full-size bf16 max |patched - unpatched|: {max_diff(patched, unpatched)}; "

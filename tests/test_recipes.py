@@ -10,9 +10,10 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
+from core.families import MODEL_TYPES
 from training import metrics, parts
 from training.config import load_config
-from training.modeling import SUPPORTED_MODEL_TYPES, build_model
+from training.modeling import build_model
 
 RECIPES = sorted(Path("recipes").glob("*.yaml"))
 ACCELERATE = sorted(Path("recipes/accelerate").glob("*.yaml"))
@@ -23,7 +24,7 @@ def test_recipes_exist():
     """The recipe set the README promises is there: smoke, one tiny per family, real models, a benchmark shape."""
     names = {p.stem for p in RECIPES}
     assert {"smoke", "bench-qwen2_5_vl-3b-shape"} <= names
-    assert {f"tiny-{t}" for t in SUPPORTED_MODEL_TYPES} <= names
+    assert {f"tiny-{t}" for t in MODEL_TYPES} <= names
     assert {"qwen2_5_vl-3b", "qwen2_5_vl-7b", "qwen3_vl-2b", "qwen3_vl-8b"} <= names
     assert any(n.startswith("qwen3_5-") for n in names)
 

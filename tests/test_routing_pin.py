@@ -1,13 +1,11 @@
-"""Pinned MoE routing (training/routing_pin.py) and its use in the packed vs per-sample check."""
+"""Pinned MoE routing (verification/routing_pin.py) and its use in the packed vs per-sample check."""
 
 import pytest
 import torch
 
-from training.config import load_config
-from training.modeling import build_model
 from training.packed import enable_packed_forward
-from training.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample, synthetic_sample
-from training.routing_pin import PinnedRouting, routers
+from verification.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample
+from verification.routing_pin import PinnedRouting, routers
 
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
 PACK = (
@@ -16,21 +14,6 @@ PACK = (
     SampleSpec(1),  # one token
     SampleSpec(3, ((2, 4),), text_after=5),
 )
-
-
-def tiny_model(family: str, dtype: str = "float32") -> torch.nn.Module:
-    model_cfg = load_config(f"recipes/tiny-{family}.yaml").model
-    model_cfg.dtype = dtype
-    return build_model(model_cfg, attn_implementation="sdpa")
-
-
-def samples_for(model, specs=PACK, seed: int = 0):
-    generator = torch.Generator().manual_seed(seed)
-    samples = [synthetic_sample(model.config, spec, generator) for spec in specs]
-    for sample in samples:
-        if sample.pixel_values is not None:
-            sample.pixel_values = sample.pixel_values.to(model.dtype)
-    return samples
 
 
 def text_ids(model, length: int, seed: int = 0) -> torch.Tensor:
@@ -49,42 +32,42 @@ def assert_passes(model, samples):
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_fp32_pack_equals_per_sample_with_pinned_routing_and_no_flips(family):
+def test_fp32_pack_equals_per_sample_with_pinned_routing_and_no_flips(tiny_samples, tiny_model, family):
     """fp32 MoE: packed == per-sample with routing pinned, and the packed run's own top-k agrees with the per-sample
     choice for every token of every router (no flips), counted once per token and router."""
     model = tiny_model(family)
     enable_packed_forward(model)
-    samples = samples_for(model)
+    samples = tiny_samples(model, PACK)
     report = assert_passes(model, samples)
     assert report.routing_choices == sum(len(s) for s in samples) * len(routers(model)) > 0
     assert report.routing_flips == 0
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_bf16_pack_equals_per_sample_with_pinned_routing(family):
+def test_bf16_pack_equals_per_sample_with_pinned_routing(tiny_samples, tiny_model, family):
     """bf16 on the CPU: packed == per-sample within bf16 rounding for both MoE families, with routing pinned in the
     packed run and in the fp32 copy that measures the per-sample run's own rounding."""
     model = tiny_model(family, dtype="bfloat16")
     enable_packed_forward(model)
-    report = assert_passes(model, samples_for(model, seed=1))
+    report = assert_passes(model, tiny_samples(model, PACK, seed=1))
     assert report.routing_choices > 0
     assert report.logits.own_rounding > 0
 
 
-def test_gradient_checkpointing_recompute_counts_each_choice_once():
+def test_gradient_checkpointing_recompute_counts_each_choice_once(tiny_samples, tiny_model):
     """With gradient checkpointing the routers run again in the backward; they replay the same pinned choices (the
     pack still equals per-sample) and the recompute overwrites its count instead of adding to it."""
     model = tiny_model("qwen3_5_moe")
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     model.train()
     enable_packed_forward(model)
-    samples = samples_for(model)
+    samples = tiny_samples(model, PACK)
     report = assert_passes(model, samples)
     assert report.routing_choices == sum(len(s) for s in samples) * len(routers(model))
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
-def test_replay_forces_the_recorded_choices(family):
+def test_replay_forces_the_recorded_choices(tiny_model, family):
     """Replayed choices reach the experts: after rolling every recorded expert id, the experts receive exactly the
     rolled ids with weights renormalised from the router's own softmax at those ids, and every choice counts as a
     flip (a shifted top-k set of k < E experts is never the same set)."""
@@ -122,7 +105,7 @@ def test_replay_forces_the_recorded_choices(family):
     assert flips.flips == flips.choices == input_ids.shape[1] * len(routers(model))
 
 
-def test_recording_refuses_a_router_formula_it_cannot_replay(monkeypatch):
+def test_recording_refuses_a_router_formula_it_cannot_replay(tiny_model, monkeypatch):
     """If transformers' router computes its scores differently from routing_weights (here: top-k probabilities not
     renormalised), recording raises instead of letting replay silently change the model."""
     model = tiny_model("qwen3_vl_moe")
@@ -141,7 +124,7 @@ def test_recording_refuses_a_router_formula_it_cannot_replay(monkeypatch):
         model(input_ids=text_ids(model, 8), use_cache=False)
 
 
-def test_replay_refuses_choices_that_do_not_fit_the_run():
+def test_replay_refuses_choices_that_do_not_fit_the_run(tiny_model):
     """Replaying onto a run with a different token count, or with nothing recorded, is a ValueError that says so."""
     model = tiny_model("qwen3_vl_moe")
     pins = PinnedRouting()

@@ -20,9 +20,9 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
-from training import checkpoint, loop, metrics, optim, parts, tracking
+from core.config_tree import ConfigError
+from training import checkpoint, loop, metrics, optim, parts, step, tracking
 from training.config import load_config
-from training.config_tree import ConfigError
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 
@@ -273,7 +273,7 @@ def tiny_module():
     cfg = load_config(TINY)
     model = build_model(cfg.model, seed=0)
     enable_packed_forward(model)
-    return loop.TrainModule(model)
+    return step.TrainModule(model)
 
 
 def text_pack(samples: list[tuple[list[int], list[int]]]) -> dict:
@@ -307,9 +307,9 @@ def random_sample(gen: torch.Generator, length: int, targets: int) -> tuple[list
     return ids.tolist(), labels.tolist()
 
 
-def grads_after(module: loop.TrainModule, micro_batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
+def grads_after(module: step.TrainModule, micro_batches: list[dict]) -> tuple[float, dict[str, torch.Tensor]]:
     module.zero_grad(set_to_none=True)
-    loss_sum, count = loop.accumulate_gradients(Accelerator(cpu=True), module, micro_batches)
+    loss_sum, count = step.accumulate_gradients(Accelerator(cpu=True), module, micro_batches)
     AcceleratorState._reset_state(reset_partial_state=True)
     grads = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
     return (loss_sum / count).item(), grads
@@ -324,7 +324,7 @@ def test_chunked_cross_entropy_matches_full():
     labels[::3] = -100
     reference = torch.nn.functional.cross_entropy(logits.float(), labels, ignore_index=-100, reduction="sum")
     (grad_ref,) = torch.autograd.grad(reference, logits)
-    chunked = loop.summed_cross_entropy(logits, labels, chunk_tokens=8)
+    chunked = step.summed_cross_entropy(logits, labels, chunk_tokens=8)
     (grad_chunked,) = torch.autograd.grad(chunked, logits)
     torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(grad_chunked, grad_ref, rtol=0, atol=0)
@@ -350,7 +350,7 @@ def test_text_only_pack_runs_the_vision_tower(recipe):
     parameter gets a gradient (exactly zero) and DDP/FSDP collectives match across ranks; the loss is unchanged."""
     model = build_model(load_config(str(recipe)).model, seed=0)
     enable_packed_forward(model)
-    module = loop.TrainModule(model)
+    module = step.TrainModule(model)
     gen = torch.Generator().manual_seed(1)
     batch = text_pack([random_sample(gen, 20, 8), random_sample(gen, 12, 4)])
     loss, _ = grads_after(module, [batch])
@@ -369,11 +369,11 @@ def test_vision_tower_runs_twice_whatever_the_pack_holds(family):
     """Text-only, image-only, video-only and mixed packs all make exactly two vision-tower calls (images, videos;
     dummies where a pack has none), so FSDP2's per-call all-gathers line up across ranks; the loss of a mixed pack
     is unchanged by the dummies (there are none)."""
-    from training.packing_check import SampleSpec, pack_samples, synthetic_sample
+    from verification.packing_check import SampleSpec, pack_samples, synthetic_sample
 
     model = build_model(load_config(f"recipes/tiny-{family}.yaml").model, seed=0)
     enable_packed_forward(model)
-    module = loop.TrainModule(model)
+    module = step.TrainModule(model)
     calls = []
     model.model.visual.register_forward_hook(lambda *_: calls.append(1))
     specs = {
@@ -620,9 +620,9 @@ def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_p
 
 
 def test_inspect_data_config_error_is_one_line():
-    """scripts/inspect_data.py answers a config mistake with one line and exit status 1, like train.py."""
+    """`python -m scripts.inspect_data` answers a config mistake with one line and exit status 1, like train.py."""
     process = subprocess.run(
-        [sys.executable, "scripts/inspect_data.py", "--config", TINY, "train.seed=-1"],
+        [sys.executable, "-m", "scripts.inspect_data", "--config", TINY, "train.seed=-1"],
         cwd=Path(train.__file__).parent,
         capture_output=True,
         text=True,

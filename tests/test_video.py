@@ -13,6 +13,7 @@ import transformers
 from PIL import Image, ImageDraw
 from transformers.video_utils import VideoMetadata
 
+from core.families import hf_config
 from data.formats import SampleError, normalize_record
 from data.pipeline import build_data, load_processor
 from data.processing import SampleProcessor
@@ -24,14 +25,13 @@ from data.video import (
     video_patches,
 )
 from training.config import load_config
-from training.modeling import hf_config
 
 VIDEO_ID = 6  # the tiny processor's <|video_pad|>
 
 
 def tiny(family: str, cache, *overrides: str):
     cfg = load_config(f"recipes/tiny-{family}.yaml", [f"data.cache_dir={cache}", "data.num_workers=0", *overrides])
-    return cfg, load_processor(cfg), hf_config(cfg.model)
+    return cfg, load_processor(cfg.model, cfg.data), hf_config(cfg.model)
 
 
 @pytest.fixture(scope="module")
@@ -214,7 +214,7 @@ def test_bad_videos_are_counted_skips_and_good_samples_survive(tmp_path, cache):
     cfg, processor, model_config = tiny(
         "qwen2_5_vl", cache, f"data.path={data}", "data.eval_fraction=0", "packing.max_tokens=1024"
     )
-    _, _, stats = build_data(cfg, processor, model_config)
+    _, _, stats = build_data(cfg.data, cfg.packing, processor, model_config)
     assert stats.kept_train == 3
     expected = {reason: 1 for reason in records if not reason.startswith("good") and reason != "undecodable"}
     expected["corrupt_video"] = 2  # the corrupt frame and the undecodable file
@@ -239,7 +239,7 @@ def test_parquet_video_column_of_bytes_trains(tmp_path, cache):
     cfg, processor, model_config = tiny(
         "qwen3_vl", cache, f"data.path={tmp_path / 'v.parquet'}", "data.eval_fraction=0"
     )
-    train, _, stats = build_data(cfg, processor, model_config)
+    train, _, stats = build_data(cfg.data, cfg.packing, processor, model_config)
     assert stats.kept_train == 2 and not stats.skipped
     batch = next(iter(train))
     assert batch["video_grid_thw"][:, 0].tolist() == [3, 3]  # 6 frames at 2 fps in 2-frame temporal patches

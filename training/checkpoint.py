@@ -104,7 +104,7 @@ def export_complete(out_dir: Path) -> bool:
 def export(accelerator: Accelerator, model: torch.nn.Module, processor: Any, out_dir: Path, dtype: str) -> Path:
     """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
 
-    `model` is the prepared training module (`loop.TrainModule`): its `.model` is the HF model; the full state
+    `model` is the prepared training module (`step.TrainModule`): its `.model` is the HF model; the full state
     dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
     it to `out_dir` (see `export_complete`).
     """

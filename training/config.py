@@ -8,9 +8,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from core import config_tree
+from core.config_tree import ConfigError, check_seed
 from data.config import DataConfig, PackingConfig
-from training import config_tree
-from training.config_tree import ConfigError, check_seed
 
 
 @dataclass

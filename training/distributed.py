@@ -9,7 +9,6 @@ at start-up. The plain ring/tree algorithms are what the parity and scaling numb
 from __future__ import annotations
 
 import os
-import socket
 from typing import Any
 
 import torch
@@ -89,27 +88,3 @@ def check_world_size(num_processes: int, launcher_cmdline: list[str] | None = No
             f"accelerate launch asked for {requested} processes but started one (it does so with --cpu). For "
             f"{requested} processes on CPUs (gloo) run: {CPU_DDP_COMMAND.replace('N', str(requested), 1)}"
         )
-
-
-def free_port() -> int:
-    """A TCP port free on this host now, for a launcher's rendezvous (`--main_process_port`)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def kill_process_tree(pid: int) -> None:
-    """SIGKILL a launcher and every process under it. Killing the launcher's process group is not enough:
-    torch's elastic agent starts each rank in a session of its own, so ranks would outlive it."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-    except psutil.NoSuchProcess:
-        return
-    for process in [*root.children(recursive=True), root]:
-        try:
-            process.kill()
-        except psutil.NoSuchProcess:
-            continue
-    psutil.wait_procs([root], timeout=10)

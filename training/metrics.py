@@ -1,20 +1,31 @@
-"""Training FLOPs per pack (for MFU), the device's peak FLOP/s, and the per-log-interval throughput meter.
+"""Training FLOPs per pack (for MFU), the device's peak FLOP/s, and the metrics logger of the training loop.
 
 The FLOP count is written once, in `pack_flops`; `FlopProfile.from_model` reads the numbers it needs from the model
 once at start-up. Everything per step is host arithmetic on Python ints the collator already computed, so counting
-never syncs with the device.
+never syncs with the device. `MetricsLogger` holds the loop's metric state (interval counts, device sums,
+stopwatches), syncs once per log interval and writes the records; `summarize` writes the run's summary.json.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 from torch import nn
+from tqdm.auto import tqdm
 
-from training import parts
+from core.families import FAMILIES
+from training import parts, run_files
+from training.config import Config
+
+log = logging.getLogger(__name__)
 
 # Dense bf16 peak (no sparsity) per device name fragment, in FLOP/s; first match wins.
 PEAK_BF16_FLOPS = (
@@ -93,11 +104,12 @@ class FlopProfile:
             moe_fraction = text.num_experts_per_tok / text.num_experts
         layer_types = getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        vit_width = vision.embed_dim if config.model_type == "qwen2_vl" else vision.hidden_size
+        family = FAMILIES[config.model_type]
+        vit_width = getattr(vision, family.vit_width_key)
         depth = vision.depth
         window_layers = 0
         window_merged = 0
-        if config.model_type == "qwen2_5_vl":
+        if family.window_vision_model is not None:
             window_layers = depth - len(vision.fullatt_block_indexes)
             window_merged = vision.window_size // vision.spatial_merge_size // vision.patch_size
 
@@ -219,3 +231,242 @@ def interval_metrics(
         "peak_mem_gib": peak_mem_gib,
         "skipped_samples": counts.skipped_samples,
     }
+
+
+class Stopwatch:
+    """Wall time of device work, excluding pauses (eval, checkpoints); reading it syncs the device first."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.elapsed = 0.0
+        self._start: float | None = None
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @property
+    def running(self) -> bool:
+        return self._start is not None
+
+    def start(self) -> None:
+        self._sync()
+        self._start = time.perf_counter()
+
+    def stop(self) -> float:
+        self._sync()
+        if self._start is not None:
+            self.elapsed += time.perf_counter() - self._start
+        self._start = None
+        return self.elapsed
+
+    def lap(self) -> float:
+        """Seconds since the last lap (pauses excluded); the watch keeps running from zero."""
+        elapsed = self.stop()
+        self.elapsed = 0.0
+        self.start()
+        return elapsed
+
+
+@dataclass
+class TimedTotals:
+    """This rank's throughput totals over the timed steps (after each launch's `logging.timing_warmup_steps`) of
+    the whole run: saved in every checkpoint and restored on resume, so the summary's rates cover every launch."""
+
+    steps: int = 0
+    tokens: float = 0.0
+    flops: float = 0.0
+    seconds: float = 0.0
+
+    def plus(self, counts: IntervalCounts, seconds: float) -> TimedTotals:
+        return TimedTotals(
+            self.steps + counts.steps, self.tokens + counts.tokens, self.flops + counts.flops, self.seconds + seconds
+        )
+
+
+def image_grids(batch: dict) -> list[tuple[int, int, int]]:
+    """(t, h, w) of every image and video of a host batch (the collator's tensors: no device sync)."""
+    grids = [batch.get("image_grid_thw"), batch.get("video_grid_thw")]
+    return [tuple(row) for grid in grids if grid is not None for row in grid.tolist()]
+
+
+class MetricsLogger:
+    """The training loop's metrics, from one step to the run's summary.
+
+    `record_step` (once per optimizer step, no host sync) counts the step's batches on the host and adds its device
+    scalars; `log_if_due` reduces the interval over ranks with one all-reduce and one host read every
+    `logging.every_steps` steps and at the last step, and writes the record to metrics.jsonl, the trackers and the
+    progress bar; `paused()` stops the clocks around evaluation and checkpoints; `timed()` is what a checkpoint
+    saves and `close()` the run's totals, for `summarize`. The first `logging.timing_warmup_steps` steps of each
+    launch are left out of the timed totals (allocator growth, autotuning, compilation).
+    """
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        cfg: Config,
+        flop_profile: FlopProfile,
+        run_dir: Path,
+        start_step: int,
+        timed_before: TimedTotals,
+    ):
+        self.accelerator, self.cfg, self.flop_profile, self.run_dir = accelerator, cfg, flop_profile, run_dir
+        self.timed_before = timed_before
+        device = accelerator.device
+        self.peak = peak_flops(device, cfg.logging.peak_tflops)
+        if accelerator.is_main_process:
+            run_files.keep_metrics_through(run_dir, start_step)
+        self.counts, self.timed_counts = IntervalCounts(), IntervalCounts()
+        self.loss_sum = torch.zeros((), device=device)
+        self.label_count = torch.zeros((), device=device)
+        self.grad_norm_sum = torch.zeros((), device=device)
+        self.interval_clock, self.timed_clock = Stopwatch(device), Stopwatch(device)
+        self.warmup_end = start_step + cfg.logging.timing_warmup_steps
+        self.interval_clock.start()
+        if self.warmup_end == start_step:
+            self.timed_clock.start()
+        self.bar = tqdm(
+            total=cfg.train.max_steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            disable=not (accelerator.is_main_process and cfg.logging.progress_bar),
+            dynamic_ncols=True,
+        )
+
+    def _budget(self, batch: dict) -> int:
+        """Token budget of a batch: the pack's (packed), or its padded area (padded)."""
+        return self.cfg.packing.max_tokens if self.cfg.packing.mode == "packed" else batch["input_ids"].numel()
+
+    def record_step(
+        self, step: int, host_batches: list[dict], loss_sum: torch.Tensor, label_count: torch.Tensor, grad_norm
+    ) -> None:
+        """Add optimizer step `step`: its host batches' counts and FLOPs, its device loss sum, label count and
+        gradient norm (no sync)."""
+        for batch in host_batches:
+            flops = pack_flops(self.flop_profile, batch["sample_lengths"], image_grids(batch))
+            self.counts.add_batch(batch, self._budget(batch), flops)
+            if self.timed_clock.running:
+                self.timed_counts.add_batch(batch, self._budget(batch), flops)
+        self.loss_sum += loss_sum
+        self.label_count += label_count
+        self.grad_norm_sum += grad_norm
+        self.counts.steps += 1
+        self.timed_counts.steps += self.timed_clock.running
+        self.bar.update(1)
+        if step == self.warmup_end:
+            self.timed_clock.start()
+
+    def due(self, step: int) -> bool:
+        return step % self.cfg.logging.every_steps == 0 or step == self.cfg.train.max_steps
+
+    def log(self, step: int, lr: float) -> None:
+        """Reduce the interval's device and host counters over ranks (one all-reduce, one host read), emit the
+        record, and start the next interval."""
+        accelerator, counts = self.accelerator, self.counts
+        world = accelerator.num_processes
+        elapsed = self.interval_clock.lap()
+        host = torch.tensor(
+            [
+                counts.tokens,
+                counts.text_tokens,
+                counts.image_tokens,
+                counts.vision_patches,
+                counts.budget_tokens,
+                counts.flops,
+                counts.skipped_samples,
+            ],
+            dtype=torch.float64,
+        )
+        device_sums = torch.stack([self.loss_sum, self.label_count, self.grad_norm_sum]).double()
+        values = accelerator.reduce(torch.cat([device_sums, host.to(accelerator.device)]), reduction="sum").tolist()
+        loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops, skipped = values
+        summed = IntervalCounts(
+            counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
+        )
+        peak_mem = (
+            torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
+        )
+        record = {
+            "loss": loss_sum / max(labels, 1.0),
+            "grad_norm": grad_norm_sum / (world * max(counts.steps, 1)),
+            **interval_metrics(summed, elapsed, world, self.peak, peak_mem),
+        }
+        record.update(step=step, lr=lr)
+        self.emit(record)
+        self.counts = IntervalCounts()
+        self.loss_sum.zero_()
+        self.label_count.zero_()
+        self.grad_norm_sum.zero_()
+
+    def emit(self, record: dict) -> None:
+        """Write one record to metrics.jsonl and the trackers (main process) and refresh the progress bar."""
+        if not self.accelerator.is_main_process:
+            return
+        run_files.append_metrics(self.run_dir, record)
+        self.accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+        if "loss" in record:
+            postfix = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s_per_gpu']:.0f}"}
+            self.bar.set_postfix(**postfix, refresh=False)
+        log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Stop the running clocks for work that is not training (eval, checkpoints) and restart them after."""
+        running = [clock for clock in (self.interval_clock, self.timed_clock) if clock.running]
+        for clock in running:
+            clock.stop()
+        yield
+        for clock in running:
+            clock.start()
+
+    def timed(self) -> TimedTotals:
+        """The run's timed totals so far (for a checkpoint)."""
+        return self.timed_before.plus(self.timed_counts, self.timed_clock.elapsed)
+
+    def close(self) -> TimedTotals:
+        """Close the progress bar, stop timing; the run's timed totals."""
+        self.bar.close()
+        return self.timed_before.plus(self.timed_counts, self.timed_clock.stop())
+
+
+def summarize(
+    accelerator: Accelerator,
+    cfg: Config,
+    timed: TimedTotals,
+    run_dir: Path,
+    wandb_dir: Path | None,
+    export_dir: Path | None,
+    fused_rope: bool,
+) -> dict:
+    """Write `<run dir>/summary.json` (main process) and return it, for the whole run however many launches it
+    took: losses, eval loss, peak memory and load-time skips from metrics.jsonl; mean rates over the timed steps
+    (`timed`, this rank's totals; one all-reduce)."""
+    world = accelerator.num_processes
+    totals = torch.tensor([timed.tokens, timed.flops], dtype=torch.float64, device=accelerator.device)
+    tokens, flops = accelerator.reduce(totals, reduction="sum").tolist()
+    seconds = max(timed.seconds, 1e-9) * world
+    peak = peak_flops(accelerator.device, cfg.logging.peak_tflops)
+    records = run_files.read_metrics(run_dir) if accelerator.is_main_process else []
+    train_records = [r for r in records if "loss" in r]
+    evals = [r["eval_loss"] for r in records if "eval_loss" in r]
+    peaks = [r["peak_mem_gib"] for r in train_records if r.get("peak_mem_gib") is not None]
+    summary = {
+        "steps": train_records[-1]["step"] if train_records else cfg.train.max_steps,
+        "loss_start": train_records[0]["loss"] if train_records else None,
+        "loss_end": train_records[-1]["loss"] if train_records else None,
+        "eval_loss": evals[-1] if evals else None,
+        "tokens_per_s_per_gpu": tokens / seconds if timed.steps else None,
+        "mfu": flops / seconds / peak if timed.steps and peak is not None else None,
+        "timed_steps": timed.steps,
+        "peak_mem_gib": max(peaks) if peaks else None,
+        "samples_skipped_at_load": sum(r.get("skipped_samples", 0) for r in train_records),
+        "num_processes": world,
+        "fused_rope": fused_rope,
+        "run_dir": str(run_dir),
+        "wandb_dir": None if wandb_dir is None else str(wandb_dir),
+        "export_dir": None if export_dir is None else str(export_dir),
+    }
+    if accelerator.is_main_process:
+        run_files.write_summary(run_dir, summary)
+    return summary

@@ -53,7 +53,7 @@ PACK_KWARG = "packed_seqlens"
 _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 VARLEN_DEVICES = ("cuda",)
 """Device types whose packed attention takes the varlen kernel (in a half dtype, `varlen_dtype`); elsewhere one SDPA
-call per segment. training/packing_check.py reads it to know which kernels a low-precision packed run takes."""
+call per segment. verification/packing_check.py reads it to know which kernels a low-precision packed run takes."""
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import yaml
 
-from training import config_tree
+from core import config_tree
+from core.config_tree import ConfigError
 from training.config import Config
-from training.config_tree import ConfigError
 
 log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"

@@ -21,7 +21,7 @@ from accelerate.utils import set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import distributed, loop, metrics, optim, parts
+from training import distributed, metrics, optim, parts, step
 from training.config import Config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
@@ -46,11 +46,11 @@ class TrainingSetup:
 def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Accelerator:
     """The run's Accelerator; raises when the launcher started processes that it did not join.
 
-    gradient_accumulation_steps stays 1: loop.accumulate_gradients normalises by the global label count itself
+    gradient_accumulation_steps stays 1: step.accumulate_gradients normalises by the global label count itself
     (accelerate would divide once more). The scheduler steps once per optimizer step, not once per process.
     """
     accelerator = Accelerator(
-        mixed_precision=loop.mixed_precision(cfg.model.dtype),
+        mixed_precision=step.mixed_precision(cfg.model.dtype),
         log_with=log_with,
         step_scheduler_with_optimizer=False,
         **distributed.accelerator_kwargs(cfg.model.dtype),
@@ -89,13 +89,19 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         parts.trainable_counts(model),
     )
 
-    processor = load_processor(cfg)
+    processor = load_processor(cfg.model, cfg.data)
     train_loader, eval_loader, _ = build_data(
-        cfg, processor, model.config, accelerator.process_index, accelerator.num_processes
+        cfg.data,
+        cfg.packing,
+        processor,
+        model.config,
+        accelerator.process_index,
+        accelerator.num_processes,
+        cfg.train.grad_accum_steps,
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)
-    module = loop.TrainModule(model)
+    module = step.TrainModule(model)
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from training import config_tree
+from core import config_tree
 from training.config import Config
 
 log = logging.getLogger(__name__)

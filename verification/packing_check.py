@@ -21,7 +21,7 @@ towers: ~0.5 relative over a 3k-patch pack vs ~0.05 per sample, with identical n
 both sides). On the H200 these gradients pass with the per-sample run's rounding alone.
 
 MoE models: the per-sample run's top-k expert choices are recorded and replayed in the packed run (and in the fp32
-copy's runs), see training/routing_pin.py. A near-tie token that the packed run's rounding would send to another
+copy's runs), see verification/routing_pin.py. A near-tie token that the packed run's rounding would send to another
 expert would otherwise move its whole gradient between experts; the report counts those choices (`routing_flips`)
 instead. Routing weights still come from each run's own router logits, so router
 gradients and any leak into the hidden states are compared as before.
@@ -40,11 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from data.positions import takes_second_per_grid_ts
+from data.processing import IGNORE_INDEX
 from data.video import uses_timestamps
 from training.packed import VARLEN_DEVICES, attention_implementation, packed_model_inputs
-from training.routing_pin import PinnedRouting
-
-IGNORE_INDEX = -100
+from verification.routing_pin import PinnedRouting
 
 GRAD_SCALE_FLOOR = 1e-3
 """A gradient is judged against at least this fraction of the model's largest gradient: a parameter whose gradient

@@ -46,7 +46,7 @@ def _router_outputs(name: str, output) -> tuple[torch.Tensor, torch.Tensor, torc
     if not (isinstance(output, tuple) and len(output) == 3):
         raise ValueError(
             f"router {name} returned {type(output).__name__}, not (router_logits, router_scores, router_indices): "
-            "training/routing_pin.py supports the Qwen MoE routers of the installed transformers only."
+            "verification/routing_pin.py supports the Qwen MoE routers of the installed transformers only."
         )
     return output
 
@@ -110,7 +110,7 @@ class PinnedRouting:
         if differing:
             raise RuntimeError(
                 f"router(s) {', '.join(differing)} compute routing weights differently from "
-                "training.routing_pin.routing_weights (fp32 softmax over all experts, the top-k renormalised, cast "
+                "verification.routing_pin.routing_weights (fp32 softmax over all experts, the top-k renormalised, cast "
                 "to the logits' dtype); replaying pinned choices would change the model. Update routing_weights to "
                 "the installed transformers' router formula."
             )

@@ -1,0 +1,5 @@
+"""The bottom layer: facts and machinery every other package may use, and which imports none of them.
+
+`core.config_tree`: typed YAML config trees (ConfigError, nearest-key errors, overrides, saving).
+`core.families`: the Qwen-VL families this repo trains, each fact about a family declared once.
+"""

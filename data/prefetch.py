@@ -1,0 +1,63 @@
+"""Batches collated ahead of the training step, in a background thread, with an exact resume position."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class Prefetcher:
+    """Collates the next batches in a background thread, so the host's image processing overlaps the GPU's work
+    (the step itself never syncs, but the launch queue is only so deep).
+
+    Hands out host batches (pinned when `pin` is set) and remembers the loader position after each one it handed
+    out: `state_dict()` is what was consumed, not what was prefetched, so a checkpoint resumes exactly.
+    """
+
+    def __init__(self, loader, depth: int = 2, pin: bool = False):
+        self.loader = loader
+        self.pin = pin
+        self._state = loader.state_dict()
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._fill, name="batch-prefetch", daemon=True)
+        self._thread.start()
+
+    def _put(self, item: tuple) -> bool:
+        while not self._stop.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _fill(self) -> None:
+        try:
+            while not self._stop.is_set():
+                for batch in self.loader:
+                    if self.pin:
+                        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                    if not self._put((batch, self.loader.state_dict(), None)):
+                        return
+        except Exception as error:  # handed to the training thread, which raises it
+            self._put((None, None, error))
+
+    def __iter__(self) -> Prefetcher:
+        return self
+
+    def __next__(self) -> dict:
+        batch, state, error = self._queue.get()
+        if error is not None:
+            raise error
+        self._state = state
+        return batch
+
+    def state_dict(self) -> dict:
+        return self._state
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,5 @@
+"""Checks that packed training is exact, kept apart from the code that trains (training/ never imports this).
+
+`packing_check`: packed vs per-sample forward+backward on the same samples (scripts/verify_packing.py, the tests).
+`routing_pin`: MoE top-k choices recorded per sample and replayed in the packed run, for that comparison.
+"""
