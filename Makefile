@@ -16,6 +16,8 @@ $(VENV)/bin/python:
 	# torch first: a pinned release that satisfies requirements.txt, so pip does not pull another build
 	$(VENV)/bin/pip install -q torch==2.13.0
 	$(VENV)/bin/pip install -q -r requirements-dev.txt
+	# the repo itself, editable and without dependencies: its packages import from anywhere, scripts run either way
+	$(VENV)/bin/pip install -q --no-deps -e .
 
 install: $(VENV)/bin/python  ## create .venv with the pinned requirements (skipped when it exists)
 

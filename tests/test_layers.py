@@ -56,3 +56,21 @@ def test_scripts_run_as_modules_without_path_edits():
     """Scripts run as `python -m scripts.x` from the repository root: none edits sys.path to find the packages."""
     offenders = [path.name for path in sorted((ROOT / "scripts").glob("*.py")) if "sys.path" in path.read_text()]
     assert not offenders
+
+
+def test_installed_repo_runs_scripts_by_path_too(tmp_path):
+    """`make install` installs the repo (editable), so a script also runs by its path, from any directory; without
+    that install only `python -m scripts.x` from the repo root works."""
+    import importlib.metadata
+    import subprocess
+    import sys
+
+    try:
+        importlib.metadata.distribution("qwen-vl-packed-train")
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("the repo is not installed in this environment (make install does it)")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "inspect_data.py"), "--help"], cwd=tmp_path, capture_output=True
+    )
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    assert b"--config" in done.stdout
