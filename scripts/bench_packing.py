@@ -1,7 +1,8 @@
 """Throughput of packed varlen batches vs padded batches vs sdpa with a packed (block-diagonal) mask.
 
 Forward+backward of a mid-size Qwen2.5-VL-shaped model (4 decoder layers with Qwen2.5-VL-3B dims, a small ViT, bf16)
-on the same samples three ways:
+through train.py's own training module (training.step.TrainModule: the model and its chunked cross-entropy) on the
+same samples three ways:
 
 - packed-varlen: packs of `--max-tokens` (the data pipeline's best-fit-decreasing), training/packed.py attention;
 - padded-sdpa: `--padded-batch-size` consecutive samples right-padded to the longest, transformers' sdpa;
@@ -33,11 +34,11 @@ from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
 from training.config import ModelConfig, load_config
 from training.modeling import build_model
-from training.packed import attention_implementation, enable_packed_forward, packed_model_inputs
+from training.packed import attention_implementation, enable_packed_forward
+from training.step import TrainModule
 from verification.packing_check import (
     Sample,
     SampleSpec,
-    label_loss,
     pack_samples,
     samples_from_batch,
     synthetic_sample,
@@ -177,21 +178,22 @@ def _on(batch: dict, device: str, dtype: torch.dtype) -> dict:
     }
 
 
-def _model_keys(batch: dict) -> dict:
-    keys = ("input_ids", "attention_mask", "position_ids", "mm_token_type_ids", "pixel_values", "image_grid_thw")
-    return {k: batch[k] for k in keys if batch.get(k) is not None}
+def without_pack(batch: dict) -> dict:
+    """The pack as one (1, T) row without its boundaries: transformers' sdpa then masks it from the positions."""
+    return {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen", "sample_lengths", "seq_idx")}
 
 
 def run_variant(
-    model, batches: list[dict], make_inputs, warmup: int, max_seconds: float
+    module: TrainModule, batches: list[dict], warmup: int, max_seconds: float
 ) -> tuple[int, int, int, float]:
-    """Forward+backward over `batches`, the first `warmup` untimed; (real tokens, computed tokens, steps, seconds)."""
+    """Forward+backward of the training module (the loss train.py uses) over `batches`, the first `warmup` untimed;
+    (real tokens, computed tokens, steps, seconds)."""
+    model = module.model
     device = next(model.parameters()).device
 
     def step(batch: dict) -> None:
-        logits = model(**make_inputs(batch), use_cache=False).logits
         num_labels = int((batch["shift_labels"] != IGNORE_INDEX).sum())
-        label_loss(logits, batch["shift_labels"], num_labels).backward()
+        (module(batch) / num_labels).backward()
 
     for batch in batches[:warmup]:
         step(batch)
@@ -213,7 +215,8 @@ def run_variant(
     return real, computed, steps, time.perf_counter() - start
 
 
-def bench_dataset(model, name: str, samples: list[Sample], args, device: str) -> list[Result]:
+def bench_dataset(module: TrainModule, name: str, samples: list[Sample], args, device: str) -> list[Result]:
+    model = module.model
     packs = [
         pack_samples(model, p) | {"real_tokens": sum(len(s) for s in p)} for p in packs_of(samples, args.max_tokens)
     ]
@@ -224,15 +227,15 @@ def bench_dataset(model, name: str, samples: list[Sample], args, device: str) ->
     ]
     packs, padded = ([_on(b, device, model.dtype) for b in group] for group in (packs, padded))
     variants = {
-        "packed-varlen": (packs, lambda b: packed_model_inputs(model, b), None),
-        "padded-sdpa": (padded, _model_keys, "sdpa"),
-        "packed-sdpa-mask": (packs, _model_keys, "sdpa"),
+        "packed-varlen": (packs, None),
+        "padded-sdpa": (padded, "sdpa"),
+        "packed-sdpa-mask": ([without_pack(b) for b in packs], "sdpa"),
     }
     results = []
-    for variant, (batches, make_inputs, attention) in variants.items():
+    for variant, (batches, attention) in variants.items():
         context = attention_implementation(model, attention) if attention else contextlib.nullcontext()
         with context:
-            real, computed, steps, seconds = run_variant(model, batches, make_inputs, args.warmup, args.max_seconds)
+            real, computed, steps, seconds = run_variant(module, batches, args.warmup, args.max_seconds)
         results.append(Result(name, variant, real / seconds, real, computed, steps, seconds))
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -250,7 +253,8 @@ def main() -> int:
         "builtin": builtin_samples(model.config, args.num_samples, args.max_tokens, generator),
         "long-tailed": long_tailed_samples(model.config, args.num_samples, args.max_tokens, generator),
     }
-    results = [r for name, samples in datasets.items() for r in bench_dataset(model, name, samples, args, device)]
+    module = TrainModule(model).to(device)
+    results = [r for name, samples in datasets.items() for r in bench_dataset(module, name, samples, args, device)]
 
     print(f"{'dataset':12} {'variant':17} {'tokens/s':>11} {'real tok':>9} {'computed':>9} {'vs padded':>9}")
     for result in results:
