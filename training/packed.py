@@ -286,7 +286,7 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
 
 
 # second_per_grid_ts is left out: it only shapes positions, and packed positions come precomputed per sample.
-_MODEL_KEYS = (
+MODEL_KEYS = (
     "input_ids",
     "position_ids",
     "mm_token_type_ids",
@@ -320,7 +320,7 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
         raise ValueError(f"cu_seqlens must have {len(lengths) + 1} entries, got {tuple(batch['cu_seqlens'].shape)}.")
     if batch["position_ids"].shape[0] != 4:
         raise ValueError("packed position_ids must be (4, 1, T): text row, then the per-sample mRoPE rows.")
-    inputs = {key: batch[key] for key in _MODEL_KEYS if batch.get(key) is not None}
+    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None}
     inputs[PACK_KWARG] = PackedSeqlens(
         cu_seqlens=batch["cu_seqlens"].to(device=input_ids.device, dtype=torch.int32, non_blocking=True),
         max_seqlen=int(batch["max_seqlen"]),

@@ -23,16 +23,7 @@ from data.processing import IGNORE_INDEX
 from training import packed
 
 CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
-PADDED_MODEL_KEYS = (
-    "input_ids",
-    "attention_mask",
-    "position_ids",
-    "mm_token_type_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-)
+PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
 
 
 def mixed_precision(dtype: str) -> str:
