@@ -1,6 +1,7 @@
 """Packed (THD) forward == per-sample forward, for the six Qwen-VL families (training/packed.py, gated_delta.py)."""
 
 import inspect
+import itertools
 import sys
 
 import pytest
@@ -281,6 +282,29 @@ def test_torch_backend_forces_and_restores_the_torch_delta_rule(tiny_model):
     assert modeling.torch_chunk_gated_delta_rule is inspect.unwrap(original)
     disable_packed_forward(model)
     assert modeling.torch_chunk_gated_delta_rule is original
+
+
+def test_fla_chunk_table_is_built_on_the_host_per_sample():
+    """fla's varlen chunk table, built from the pack's Python lengths (no device sync): one (sample, chunk) row per
+    64-token chunk of every sample, a sample's last chunk partial (lengths 1, 63, 64, 65 and 130 give 1, 1, 1, 2
+    and 3 chunks), the dtype of our cu_seqlens, and one table per pack however many layers ask."""
+    lengths = (1, 63, 64, 65, 130)
+    table = gated_delta.fla_chunk_indices(lengths, torch.device("cpu"))
+    expected = [[0, 0], [1, 0], [2, 0], [3, 0], [3, 1], [4, 0], [4, 1], [4, 2]]
+    assert table.dtype == torch.int32 and table.tolist() == expected
+    assert gated_delta.fla_chunk_indices(lengths, torch.device("cpu")) is table
+    assert gated_delta.fla_chunk_indices((64,), torch.device("cpu")).tolist() == [[0, 0]]
+
+
+@pytest.mark.gpu
+def test_fla_chunk_table_equals_the_one_fla_derives():
+    """On CUDA with fla installed (requirements-fla.txt): the host-built table equals fla's own, derived from the
+    device cu_seqlens, for a pack with lengths around the chunk size."""
+    index = pytest.importorskip("fla.ops.utils.index", reason="flash-linear-attention is not installed")
+    lengths = (1, 63, 64, 65, 500, 129, 7)
+    cu_seqlens = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    ours = gated_delta.fla_chunk_indices(lengths, cu_seqlens.device)
+    assert torch.equal(ours, index.prepare_chunk_indices(cu_seqlens, gated_delta.FLA_CHUNK))
 
 
 def test_padded_batch_through_enabled_model(tiny_samples, tiny_model):

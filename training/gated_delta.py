@@ -7,6 +7,8 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
 - "fla": flash-linear-attention's varlen kernels get the pack's `cu_seqlens` explicitly —
   `fla.modules.convolution.causal_conv1d(x, …, cu_seqlens=…)` and
   `fla.ops.gated_delta_rule.chunk_gated_delta_rule(…, cu_seqlens=…)` — on the flat (1, T) pack, no padding.
+  Their chunk table (`fla_chunk_indices`) is built on the host from the pack's lengths, once per pack: derived
+  from the device `cu_seqlens`, as fla would, it costs a host sync.
 - "torch" (everywhere): the layer's own forward with every sample of the pack as its own row of a right-padded
   batch, one batch per power-of-two length class. Conv and delta rule are causal, so the padding after a sample
   never reaches its tokens and each row computes exactly what the sample computes alone. Boundaries come from the
@@ -187,8 +189,26 @@ def _forward_as_rows(original, hidden_states: torch.Tensor, lengths: tuple[int, 
     return torch.cat(outputs).unsqueeze(0)
 
 
-def _fla_varlen_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """The layer's forward on a flat pack with fla's varlen conv and delta rule. (1, T, hidden) → (1, T, hidden).
+FLA_CHUNK = 64  # the chunk length of fla's varlen causal conv and gated delta rule (both their default)
+
+
+@functools.lru_cache(maxsize=1)  # every layer of a pack, and its recompute, asks with the same lengths
+def fla_chunk_indices(lengths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fla's varlen chunk table for samples of `lengths`: int32 (n_chunks, 2), one row (sample, chunk of that
+    sample) per FLA_CHUNK-token chunk. fla's `prepare_chunk_indices` computes the same from the device cu_seqlens,
+    with a `repeat_interleave` that syncs the host; here it comes from Python ints and is copied without blocking."""
+    rows = [(sample, chunk) for sample, n in enumerate(lengths) for chunk in range(-(-n // FLA_CHUNK))]
+    table = torch.tensor(rows, dtype=torch.int32).reshape(-1, 2)
+    if device.type == "cuda":
+        table = table.pin_memory()
+    return table.to(device, non_blocking=True)
+
+
+def _fla_varlen_forward(
+    module: torch.nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, lengths: tuple[int, ...]
+) -> torch.Tensor:
+    """The layer's forward on a flat pack of samples of `lengths` (`cu_seqlens` on the device) with fla's varlen
+    conv and delta rule. (1, T, hidden) → (1, T, hidden).
 
     Mirrors transformers' Qwen3_5GatedDeltaNet.forward (no cache); fla takes channels-last (1, T, C) for the conv
     and (1, T, heads, dim) for the delta rule, and keeps grouped value heads itself.
@@ -197,12 +217,14 @@ def _fla_varlen_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cu
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     _, seq_len, _ = hidden_states.shape
+    chunk_indices = fla_chunk_indices(lengths, hidden_states.device)
     mixed_qkv, _ = causal_conv1d(
         module.in_proj_qkv(hidden_states),
         weight=module.conv1d.weight.squeeze(1),
         bias=module.conv1d.bias,
         activation=module.activation,
         cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,  # the conv chunks by FLA_CHUNK, its fixed default
     )
     query, key, value = mixed_qkv.split([module.key_dim, module.key_dim, module.value_dim], dim=-1)
     query = query.reshape(1, seq_len, -1, module.head_k_dim)
@@ -211,7 +233,15 @@ def _fla_varlen_forward(module: torch.nn.Module, hidden_states: torch.Tensor, cu
     beta = module.in_proj_b(hidden_states).sigmoid()
     g = -module.A_log.float().exp() * F.softplus(module.in_proj_a(hidden_states).float() + module.dt_bias)
     core, _ = chunk_gated_delta_rule(
-        query, key, value, g=g, beta=beta, cu_seqlens=cu_seqlens, use_qk_l2norm_in_kernel=True
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        cu_seqlens=cu_seqlens,
+        chunk_indices=chunk_indices,
+        chunk_size=FLA_CHUNK,
+        use_qk_l2norm_in_kernel=True,
     )
     z = module.in_proj_z(hidden_states).reshape(-1, module.head_v_dim)
     core = module.norm(core.reshape(-1, module.head_v_dim), z).reshape(1, seq_len, -1)
@@ -242,7 +272,7 @@ def packed_gated_delta_forward(
     if pack is None:
         if backend == "fla" and cache_params is None and attention_mask is None and hidden_states.shape[0] == 1:
             whole = torch.tensor([0, hidden_states.shape[1]], dtype=torch.int32, device=hidden_states.device)
-            return _fla_varlen_forward(module, hidden_states, whole)
+            return _fla_varlen_forward(module, hidden_states, whole, (hidden_states.shape[1],))
         return original(hidden_states, cache_params=cache_params, attention_mask=attention_mask, **kwargs)
     if cache_params is not None:
         raise ValueError("packed Gated DeltaNet runs without a cache: call the model with use_cache=False.")
@@ -251,7 +281,7 @@ def packed_gated_delta_forward(
     if pack.total_tokens != hidden_states.shape[1]:
         raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens, the layer got {hidden_states.shape[1]}.")
     if backend == "fla":
-        return _fla_varlen_forward(module, hidden_states, pack.cu_seqlens)
+        return _fla_varlen_forward(module, hidden_states, pack.cu_seqlens, pack.sample_lengths)
     for flat_boundaries in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
         kwargs.pop(flat_boundaries, None)  # rows carry the boundaries here
     return _forward_as_rows(original, hidden_states, pack.sample_lengths, **kwargs)
