@@ -40,6 +40,7 @@ from core.config_tree import ConfigError
 from training import loop
 from training.config import load_config
 from training.setup import build_accelerator, build_training
+from training.step import PHASE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,6 +146,49 @@ def busy_us(events: list[DeviceEvent]) -> float:
     return total
 
 
+def host_ranges(prof: profile, prefix: str) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of the host annotations whose name starts with `prefix`, by start."""
+    ranges = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.name.startswith(prefix) and event.device_type == torch.autograd.DeviceType.CPU
+    ]
+    return sorted(ranges, key=lambda r: r[1])
+
+
+def idle_by_phase(
+    events: list[DeviceEvent], phases: list[tuple[str, float, float]], window: tuple[float, float], steps: int
+) -> list[dict]:
+    """Where the GPU sat idle: every gap in the union of `events` inside `window` (the profiled steps), charged to
+    the step phase (training/step.py's PHASE annotations) that the host was in at the gap's midpoint, the innermost
+    one when they nest; gaps outside every phase are "between phases". The host's phase while the GPU waits is what
+    held it up: a loader that is late (data_wait), Python that launches slower than the GPU runs, or the relaunch
+    after a host sync. Returns [{phase, idle_ms_per_step, gaps_per_step}], most idle first."""
+    start, end = window
+    gaps, covered_until = [], start
+    for event in sorted(events, key=lambda e: e.start_us):
+        if event.start_us > covered_until and event.start_us > start:
+            gaps.append((covered_until, min(event.start_us, end)))
+        covered_until = max(covered_until, event.end_us)
+    if covered_until < end:
+        gaps.append((covered_until, end))
+    per_phase: dict[str, list[float]] = {}
+    for gap_start, gap_end in gaps:
+        if gap_end <= gap_start:
+            continue
+        middle = (gap_start + gap_end) / 2
+        inside = [name for name, s, e in phases if s <= middle <= e]
+        phase = inside[-1].removeprefix(PHASE) if inside else "between phases"
+        idle_and_count = per_phase.setdefault(phase, [0.0, 0])
+        idle_and_count[0] += gap_end - gap_start
+        idle_and_count[1] += 1
+    rows = [
+        {"phase": phase, "idle_ms_per_step": us / 1e3 / steps, "gaps_per_step": count / steps}
+        for phase, (us, count) in per_phase.items()
+    ]
+    return sorted(rows, key=lambda row: row["idle_ms_per_step"], reverse=True)
+
+
 def summarize(events: list[DeviceEvent], steps: int, wall_s: float, top: int) -> dict:
     """Per-kernel and per-category device time of `steps` profiled steps that took `wall_s` seconds.
 
@@ -229,6 +273,15 @@ def render(report: dict) -> str:
             for i, k in enumerate(report["kernels"], 1)
         ),
     ]
+    if report["idle"]:
+        lines += [
+            "",
+            "## GPU idle time by the host's step phase (at each gap's midpoint)",
+            "",
+            "| phase | idle ms/step | gaps/step |",
+            "|---|---:|---:|",
+            *(f"| {r['phase']} | {r['idle_ms_per_step']:.2f} | {r['gaps_per_step']:.1f} |" for r in report["idle"]),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -265,6 +318,9 @@ def main(argv: list[str] | None = None) -> dict:
         steps.close()
 
     prof.export_chrome_trace(str(out_dir / "trace.json"))
+    events = device_events(prof, on_cuda)
+    step_ranges = host_ranges(prof, STEP_ANNOTATION)
+    window = (step_ranges[0][1], max(end for _, _, end in step_ranges))
     report = {
         "config": args.config,
         "overrides": args.overrides,
@@ -272,7 +328,9 @@ def main(argv: list[str] | None = None) -> dict:
         "on_cuda": on_cuda,
         "fused_rope": setup.fused_rope,
         "warmup": args.warmup,
-        **summarize(device_events(prof, on_cuda), args.steps, wall_s, args.top),
+        **summarize(events, args.steps, wall_s, args.top),
+        # without CUDA the "device" is the host itself: it is never idle waiting for itself
+        "idle": idle_by_phase(events, host_ranges(prof, PHASE), window, args.steps) if on_cuda else [],
     }
     table = render(report)
     (out_dir / "profile.md").write_text(table)

@@ -94,3 +94,18 @@ def test_busy_time_is_the_union_of_intervals():
     events = [event("a", 0, 10, 10), event("b", 5, 12, 7), event("c", 20, 25, 5), event("d", 21, 22, 1)]
     assert profile_step.busy_us(events) == 17
     assert profile_step.busy_us([]) == 0
+
+
+def test_idle_gaps_are_charged_to_the_host_phase_at_their_midpoint():
+    """Gaps in the device timeline inside the profiled window go to the innermost step phase the host was in at
+    the gap's midpoint (nested annotations: the inner one), or to "between phases"; busy time is never charged."""
+    event = profile_step.DeviceEvent
+    events = [event("a", 10, 20, 10), event("b", 15, 30, 15), event("c", 50, 60, 10), event("d", 90, 100, 10)]
+    phases = [("phase/data_wait", 0, 12), ("phase/model_forward", 25, 70), ("phase/vision_dummies", 35, 45)]
+    rows = profile_step.idle_by_phase(events, phases, window=(0, 110), steps=2)
+    idle = {row["phase"]: row["idle_ms_per_step"] * 1e3 * 2 for row in rows}
+    # gaps: 0-10 (mid 5: data_wait), 30-50 (mid 40: vision_dummies inside model_forward), 60-90 (mid 75: none),
+    # 100-110 (mid 105: none)
+    assert idle == {"data_wait": 10, "vision_dummies": 20, "between phases": 40}
+    assert rows[0]["phase"] == "between phases" and rows[0]["gaps_per_step"] == 1.0
+    assert profile_step.idle_by_phase([event("a", 0, 10, 10)], [], window=(0, 10), steps=1) == []

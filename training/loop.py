@@ -13,13 +13,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from torch.profiler import record_function
 
 from data.prefetch import Prefetcher
 from training import metrics
 from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config, TrainConfig
 from training.setup import TrainingSetup
-from training.step import evaluate, optimizer_step
+from training.step import PHASE, evaluate, optimizer_step
 
 
 class NonFiniteError(RuntimeError):
@@ -48,7 +49,8 @@ class Steps:
         setup.module.train()
 
     def run(self) -> StepResult:
-        host_batches = [next(self.batches) for _ in range(self.train_cfg.grad_accum_steps)]
+        with record_function(PHASE + "data_wait"):
+            host_batches = [next(self.batches) for _ in range(self.train_cfg.grad_accum_steps)]
         setup = self.setup
         lr = _llm_lr(setup.optimizer)  # what this step really uses (the scheduler sets the next step's after it)
         loss_sum, label_count, grad_norm = optimizer_step(

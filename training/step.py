@@ -17,11 +17,15 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from data.processing import IGNORE_INDEX
 from training import packed
 
+PHASE = "phase/"
+"""Prefix of the step's phase annotations (data wait, forward, backward, ...): free without a profiler; under one
+they let scripts/profile_step.py say in which phase the GPU sat idle."""
 CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
 
@@ -97,13 +101,16 @@ class TrainModule(nn.Module):
         # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
-        dummies = [
-            _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
-            for key in ("pixel_values", "pixel_values_videos")
-            if batch.get(key) is None
-        ]
-        logits = self.model(**self.model_inputs(batch), use_cache=False).logits
-        loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+        with record_function(PHASE + "vision_dummies"):
+            dummies = [
+                _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
+                for key in ("pixel_values", "pixel_values_videos")
+                if batch.get(key) is None
+            ]
+        with record_function(PHASE + "model_forward"):
+            logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+        with record_function(PHASE + "loss"):
+            loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
         return loss_sum + 0.0 * sum(dummies) if dummies else loss_sum
 
 
@@ -135,7 +142,8 @@ def accumulate_gradients(
         last = j == len(micro_batches) - 1
         with contextlib.nullcontext() if last else accelerator.no_sync(module):
             loss_sum = module(batch)
-            accelerator.backward(loss_sum * scale)
+            with record_function(PHASE + "backward"):
+                accelerator.backward(loss_sum * scale)
         loss_total += loss_sum.detach()
     return loss_total, local_count
 
@@ -155,14 +163,17 @@ def optimizer_step(
     Returns (summed CE over this rank's micro-batches, this rank's label count, the gradient norm before clipping)
     as detached fp32 device scalars.
     """
-    micro = [to_device(b, accelerator.device) for b in host_batches]
+    with record_function(PHASE + "to_device"):
+        micro = [to_device(b, accelerator.device) for b in host_batches]
     loss_sum, label_count = accumulate_gradients(accelerator, module, micro)
-    grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
+    with record_function(PHASE + "clip"):
+        grad_norm = accelerator.clip_grad_norm_(params, max_grad_norm if max_grad_norm > 0 else math.inf)
     if isinstance(grad_norm, DTensor):  # FSDP2: a replicated DTensor, which cannot be added to a plain tensor
         grad_norm = grad_norm.full_tensor()
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
+    with record_function(PHASE + "optimizer"):
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
     return loss_sum, label_count, grad_norm.detach().float()
 
 
