@@ -390,6 +390,39 @@ def test_vision_tower_runs_twice_whatever_the_pack_holds(family):
         assert len(calls) == 2, name
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_a_single_process_makes_only_the_vision_calls_its_pack_needs(family):
+    """Without ranks to align with (align_vision_calls=False, what train.py builds for one process) a pack makes
+    one vision call per kind it holds and none for a text-only pack, with the loss and every gradient exactly
+    those of the aligned module (its dummies contribute exactly zero)."""
+    from verification.packing_check import SampleSpec, pack_samples, synthetic_sample
+
+    model = build_model(load_config(f"recipes/tiny-{family}.yaml").model, seed=0)
+    enable_packed_forward(model)
+    calls = []
+    model.model.visual.register_forward_hook(lambda *_: calls.append(1))
+    specs = {"text": ((SampleSpec(9),), 0), "image": ((SampleSpec(3, ((2, 4),)),), 1)}
+    specs["both"] = ((SampleSpec(3, ((2, 4),), videos=((3, 4, 2),)), SampleSpec(5)), 2)
+    for name, (spec, expected_calls) in specs.items():
+        gen = torch.Generator().manual_seed(0)
+        batch = pack_samples(model, [synthetic_sample(model.config, s, gen) for s in spec])
+        results = []
+        for align in (True, False):
+            model.zero_grad(set_to_none=True)
+            calls.clear()
+            loss = step.TrainModule(model, align_vision_calls=align)(batch)
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+            results.append((loss.detach(), grads, len(calls)))
+        (aligned_loss, aligned_grads, aligned_calls), (loss, grads, n_calls) = results
+        assert (aligned_calls, n_calls) == (2, expected_calls), name
+        assert torch.equal(loss, aligned_loss), name
+        for param_name, grad in grads.items():
+            assert torch.equal(grad, aligned_grads[param_name]), (name, param_name)
+        # parameters only the dummies reached hold exact zeros there; here they hold no gradient at all
+        assert all(torch.count_nonzero(g) == 0 for n, g in aligned_grads.items() if n not in grads), name
+
+
 # ----- MFU: the FLOP formula against a hand count -----
 
 

@@ -101,7 +101,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)
-    module = step.TrainModule(model)
+    module = step.TrainModule(model, align_vision_calls=accelerator.num_processes > 1)
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)

@@ -2,8 +2,8 @@
 label tokens across micro-batches and ranks, gradients clipped, no host sync; and the held-out evaluation.
 
 `TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
-micro-step and every rank runs the vision tower twice every step, for images and for videos (a pack without one
-or the other sends a dummy image through it in its place).
+micro-step. Across ranks every rank runs the vision tower twice every step, for images and for videos (a pack
+without one or the other sends a dummy image through it in its place); a single process skips the dummies.
 """
 
 from __future__ import annotations
@@ -78,9 +78,12 @@ class TrainModule(nn.Module):
     the logits). The caller divides by the global label count.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, align_vision_calls: bool = True):
         super().__init__()
         self.model = model
+        # Ranks must make the same vision calls (below); a single process has no one to align with, and the dummy
+        # call is ~460 tiny launches the GPU waits for (~0.1 s a step on the 3B bench shape, measured).
+        self.align_vision_calls = align_vision_calls
         # FSDP2 auto-wrapping reads the layer classes to shard from the root module.
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         vision = model.config.vision_config
@@ -101,11 +104,11 @@ class TrainModule(nn.Module):
         # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
+        missing = [key for key in ("pixel_values", "pixel_values_videos") if batch.get(key) is None]
         with record_function(PHASE + "vision_dummies"):
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
-                for key in ("pixel_values", "pixel_values_videos")
-                if batch.get(key) is None
+                for _ in (missing if self.align_vision_calls else ())
             ]
         with record_function(PHASE + "model_forward"):
             logits = self.model(**self.model_inputs(batch), use_cache=False).logits
