@@ -30,6 +30,8 @@ class PackItem:
     key: object = field(compare=False)
     length: int
     num_patches: int
+    has_images: bool = False  # whether the sample holds images / videos: the step's vision calls (STEP_VISION)
+    has_videos: bool = False
 
 
 @dataclass

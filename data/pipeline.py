@@ -184,6 +184,7 @@ class StepLoader:
         grad_accum_steps: int = 1,
         name: str = "train",
         stats: DataStats | None = None,
+        step_vision: bool = False,
     ):
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}.")
@@ -194,6 +195,7 @@ class StepLoader:
         self.rank, self.world_size, self.seed, self.epochs = rank, world_size, seed, epochs
         self.num_workers, self.grad_accum_steps, self.name = num_workers, grad_accum_steps, name
         self.stats = stats  # the data stats, for a hint when an epoch is empty
+        self.step_vision = step_vision  # batches (dicts) carry STEP_VISION: the micro-step's kinds over all ranks
         self.epoch, self.step_in_epoch = 0, 0
         self._reported_epochs: set[int] = set()
 
@@ -297,6 +299,16 @@ class StepLoader:
             )
 
 
+STEP_VISION = "step_vision"
+"""Batch key: (any image, any video) over every rank's pack of the micro-step, as Python bools. Every rank plans
+the same steps, so each knows which vision calls the others make without a collective (training/step.py)."""
+
+
+def step_vision_kinds(step: list[Pack]) -> tuple[bool, bool]:
+    items = [item for pack in step for item in pack.items]
+    return any(item.has_images for item in items), any(item.has_videos for item in items)
+
+
 class _EpochBatches(IterableDataset):
     """This rank's batches of one epoch from `first_step` on. With DataLoader workers, worker w collates steps
     first_step + w, + w + n, …; the DataLoader reads workers round-robin, so batches arrive in step order.
@@ -315,7 +327,10 @@ class _EpochBatches(IterableDataset):
             if index < self.first_step or (index - self.first_step) % num_workers != worker_id:
                 continue
             rows = self.loader.fetch([item.key for item in step[self.loader.rank].items])
-            yield self.loader.collate(rows)
+            batch = self.loader.collate(rows)
+            if self.loader.step_vision:
+                batch[STEP_VISION] = step_vision_kinds(step)
+            yield batch
         self.leftover = leftover
 
 
@@ -334,7 +349,13 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
             raise DataError(f"sample {row['sample_id']}: {reason}: {detail} (data.on_error=skip skips it)")
         stats.skip(reason, row["sample_id"], detail)
         return None
-    return PackItem(key=row, length=int(row["length"]), num_patches=int(row["num_patches"]))
+    return PackItem(
+        key=row,
+        length=int(row["length"]),
+        num_patches=int(row["num_patches"]),
+        has_images=bool(row["image_grid_thw"]),
+        has_videos=bool(row["video_grid_thw"]),
+    )
 
 
 def _in_memory(
@@ -355,11 +376,13 @@ def _in_memory(
         desc="processing samples",
     )
     stats.records = len(processed)
-    columns = ["sample_id", "skip_reason", "skip_detail", "length", "num_patches", "video_grid_thw"]
+    columns = ["sample_id", "skip_reason", "skip_detail", "length", "num_patches", "image_grid_thw", "video_grid_thw"]
     meta = processed.select_columns(columns)
     splits: dict[bool, list[int]] = {False: [], True: []}
     raise_errors = data_cfg.on_error == "raise"
+    kinds = np.zeros((len(meta), 2), dtype=bool)  # (has images, has videos) per row
     for index, row in enumerate(meta):
+        kinds[index] = bool(row["image_grid_thw"]), bool(row["video_grid_thw"])
         if _kept_item(row, max_tokens, stats, raise_errors) is not None:
             splits[is_eval_row(index, data_cfg.eval_fraction)].append(index)
     stats.kept_train, stats.kept_eval = len(splits[False]), len(splits[True])
@@ -372,7 +395,8 @@ def _in_memory(
             if shuffle:
                 order = np.random.default_rng([data_cfg.seed, epoch]).permutation(order)
             for i in order.tolist():
-                yield PackItem(key=i, length=int(lengths[i]), num_patches=int(patches[i]))
+                has_images, has_videos = kinds[i].tolist()
+                yield PackItem(i, int(lengths[i]), int(patches[i]), has_images=has_images, has_videos=has_videos)
 
         return items
 
@@ -474,6 +498,7 @@ def build_data(
         epochs=None,
         grad_accum_steps=grad_accum_steps,
         stats=stats,
+        step_vision=True,
         **common,
     )
     eval_loader = StepLoader(eval_items, seed=data_cfg.seed, epochs=1, name="eval", **common)

@@ -16,7 +16,7 @@ from datasets import Dataset, Image, List
 from core.families import hf_config
 from data.config import PackingConfig
 from data.packing import Leftover, PackItem
-from data.pipeline import StepLoader, build_data, load_processor
+from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
 from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
@@ -620,3 +620,32 @@ def test_every_sample_too_long_says_raise_max_tokens(tmp_path, cache):
     assert stats.skipped["too_long"] + stats.skipped["video_too_long"] == len(good)
     with pytest.raises(ValueError, match=r"raise packing\.max_tokens"):
         next(iter(train))
+
+
+def test_every_rank_knows_the_vision_kinds_of_the_whole_micro_step():
+    """With step_vision on, each rank's batch carries (any image, any video) over all ranks' packs of its
+    micro-step: the same on every rank, so ranks agree on their vision calls without a collective; a rank whose
+    own pack has no video still sees that another rank's has one."""
+    rng = random.Random(3)
+    kinds = [(rng.random() < 0.5, rng.random() < 0.2) for _ in range(24)]
+
+    def items(epoch):
+        order = random.Random(epoch).sample(range(24), 24)
+        return (PackItem(k, 400, 64, has_images=kinds[k][0], has_videos=kinds[k][1]) for k in order)
+
+    def loader(rank):
+        packing = PackingConfig(max_tokens=1000, buffer_size=8)
+        collate = lambda keys: {"keys": keys}
+        return StepLoader(items, list, collate, packing, rank, world_size=3, seed=1, epochs=1, step_vision=True)
+
+    batches = [list(loader(rank)) for rank in range(3)]
+    assert len(batches[0]) >= 3
+    saw_other_ranks_video = False
+    for step_batches in zip(*batches, strict=True):
+        flags = {b[STEP_VISION] for b in step_batches}
+        expected = tuple(any(kinds[k][i] for b in step_batches for k in b["keys"]) for i in (0, 1))
+        assert flags == {expected}
+        own_videos = [any(kinds[k][1] for k in b["keys"]) for b in step_batches]
+        saw_other_ranks_video |= expected[1] and not all(own_videos)
+    assert saw_other_ranks_video
+    assert STEP_VISION not in next(iter(synthetic_loader(4, world_size=1)))  # off by default: batches untouched

@@ -21,6 +21,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
 from core.config_tree import ConfigError
+from data.pipeline import STEP_VISION
 from training import checkpoint, loop, metrics, optim, parts, step, tracking
 from training.config import load_config
 from training.modeling import build_model
@@ -392,7 +393,7 @@ def test_vision_tower_runs_twice_whatever_the_pack_holds(family):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
 def test_a_single_process_makes_only_the_vision_calls_its_pack_needs(family):
-    """Without ranks to align with (align_vision_calls=False, what train.py builds for one process) a pack makes
+    """Without ranks to align with (vision_alignment="none", what train.py builds for one process) a pack makes
     one vision call per kind it holds and none for a text-only pack, with the loss and every gradient exactly
     those of the aligned module (its dummies contribute exactly zero)."""
     from verification.packing_check import SampleSpec, pack_samples, synthetic_sample
@@ -407,10 +408,10 @@ def test_a_single_process_makes_only_the_vision_calls_its_pack_needs(family):
         gen = torch.Generator().manual_seed(0)
         batch = pack_samples(model, [synthetic_sample(model.config, s, gen) for s in spec])
         results = []
-        for align in (True, False):
+        for alignment in ("every_kind", "none"):
             model.zero_grad(set_to_none=True)
             calls.clear()
-            loss = step.TrainModule(model, align_vision_calls=align)(batch)
+            loss = step.TrainModule(model, alignment)(batch)
             loss.backward()
             grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
             results.append((loss.detach(), grads, len(calls)))
@@ -677,3 +678,29 @@ def test_fused_rope_without_triton_says_it_runs_the_reference(data_cache, tmp_pa
     assert summary["fused_rope"] is False
     assert "plain-PyTorch reference, not the Triton kernels" in caplog.text
     assert "rope: reference (fused ops, PyTorch math)" in caplog.text
+
+
+def test_dummy_vision_calls_per_alignment(tiny_model):
+    """The dummy images a pack sends: none alone; under DDP only when it has no vision input at all; under FSDP2
+    one per kind that some rank of the micro-step holds and this pack lacks (every kind without the step's
+    flags); every_kind fills both kinds always."""
+    model = tiny_model("qwen2_5_vl")
+    image, video, none = {"pixel_values": 1}, {"pixel_values_videos": 1}, {}
+    expect = {
+        "none": [(image, None, 0), (none, None, 0)],
+        "any_call": [(image, None, 0), (video, None, 0), (none, None, 1)],
+        "every_kind": [(image, (True, False), 1), (none, (False, False), 2), ({**image, **video}, None, 0)],
+        "step_kinds": [
+            (image, (True, False), 0),
+            (image, (True, True), 1),
+            (none, (True, False), 1),
+            (none, (False, False), 0),
+            (video, (True, True), 1),
+            (none, None, 2),
+        ],
+    }
+    for alignment, cases in expect.items():
+        module = step.TrainModule(model, alignment)
+        for batch, flags, calls in cases:
+            batch = batch if flags is None else {**batch, STEP_VISION: flags}
+            assert module.dummy_vision_calls(batch) == calls, (alignment, batch)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DistributedType, set_seed
 
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
@@ -57,6 +57,14 @@ def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Acceler
     )
     distributed.check_world_size(accelerator.num_processes)
     return accelerator
+
+
+def vision_alignment(accelerator: Accelerator) -> step.VisionAlignment:
+    """The vision calls the run's ranks must share: FSDP2's per-call all-gathers pair up by kind, DDP's reducer
+    needs every parameter used on every rank, one process has no one to align with."""
+    if accelerator.num_processes == 1:
+        return "none"
+    return "step_kinds" if accelerator.distributed_type == DistributedType.FSDP else "any_call"
 
 
 def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
@@ -101,7 +109,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)
-    module = step.TrainModule(model, align_vision_calls=accelerator.num_processes > 1)
+    module = step.TrainModule(model, vision_alignment(accelerator))
     optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)

@@ -2,15 +2,15 @@
 label tokens across micro-batches and ranks, gradients clipped, no host sync; and the held-out evaluation.
 
 `TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
-micro-step. Across ranks every rank runs the vision tower twice every step, for images and for videos (a pack
-without one or the other sends a dummy image through it in its place); a single process skips the dummies.
+micro-step; where ranks must make the same vision-tower calls, a pack that lacks images or videos sends a dummy
+image through the tower in their place (VisionAlignment).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
+from data.pipeline import STEP_VISION
 from data.processing import IGNORE_INDEX
 from training import packed
 
@@ -28,6 +29,16 @@ PHASE = "phase/"
 they let scripts/profile_step.py say in which phase the GPU sat idle."""
 CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
+VISION_KINDS = ("pixel_values", "pixel_values_videos")  # the model calls the vision tower once per kind present
+
+VisionAlignment = Literal["every_kind", "step_kinds", "any_call", "none"]
+"""Which vision-tower calls a pack makes beyond its own (each extra one a dummy image contributing exactly 0):
+- every_kind: one per kind, always (two calls per pack), for a caller that knows nothing of its ranks;
+- step_kinds: one per kind that any rank's pack of the micro-step holds (the batch's STEP_VISION; every_kind
+  without it): FSDP2 all-gathers per call, unit by unit, so the ranks' calls must pair up;
+- any_call: at least one (DDP: every vision parameter must be used on every rank in every step);
+- none: only the pack's own (one process: nothing to align with).
+A dummy call costs ~460 tiny launches that the GPU waits for: ~0.1 s a step on the 3B bench shape (measured)."""
 
 
 def mixed_precision(dtype: str) -> str:
@@ -78,12 +89,10 @@ class TrainModule(nn.Module):
     the logits). The caller divides by the global label count.
     """
 
-    def __init__(self, model: nn.Module, align_vision_calls: bool = True):
+    def __init__(self, model: nn.Module, vision_alignment: VisionAlignment = "every_kind"):
         super().__init__()
         self.model = model
-        # Ranks must make the same vision calls (below); a single process has no one to align with, and the dummy
-        # call is ~460 tiny launches the GPU waits for (~0.1 s a step on the 3B bench shape, measured).
-        self.align_vision_calls = align_vision_calls
+        self.vision_alignment = vision_alignment
         # FSDP2 auto-wrapping reads the layer classes to shard from the root module.
         self._no_split_modules = getattr(model, "_no_split_modules", None)
         vision = model.config.vision_config
@@ -98,17 +107,24 @@ class TrainModule(nn.Module):
             return packed.packed_model_inputs(self.model, batch)
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
 
+    def dummy_vision_calls(self, batch: dict) -> int:
+        """How many dummy images this pack sends through the vision tower (VisionAlignment)."""
+        missing = [batch.get(key) is None for key in VISION_KINDS]
+        if self.vision_alignment == "none":
+            return 0
+        if self.vision_alignment == "any_call":
+            return int(all(missing))
+        if self.vision_alignment == "step_kinds" and STEP_VISION in batch:
+            return sum(absent and any_rank for absent, any_rank in zip(missing, batch[STEP_VISION], strict=True))
+        return sum(missing)
+
     def forward(self, batch: dict) -> torch.Tensor:
-        # The model calls the vision tower once for a pack's images and once for its videos. Every rank must make
-        # the same calls (FSDP2 all-gathers per call, DDP needs every vision parameter used), so a pack without
-        # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
-        missing = [key for key in ("pixel_values", "pixel_values_videos") if batch.get(key) is None]
         with record_function(PHASE + "vision_dummies"):
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
-                for _ in (missing if self.align_vision_calls else ())
+                for _ in range(self.dummy_vision_calls(batch))
             ]
         with record_function(PHASE + "model_forward"):
             logits = self.model(**self.model_inputs(batch), use_cache=False).logits
