@@ -1,11 +1,14 @@
 """The training loss: lm_head matmul and summed cross-entropy fused, chunk by chunk, so the logits never exist whole.
 
-Unfused, a 16k-token pack over Qwen's 152k vocabulary holds its bf16 logits (T·V·2 bytes, 5.0 GB) from forward to
-backward and then as many bytes again for their gradient. `linear_cross_entropy` instead walks the rows in chunks
-whose fp32 logits take at most `CE_CHUNK_ELEMENTS`; for each chunk it computes the logits, the loss and at once the
-gradients of the hidden states and of the weight, and drops the logits (Liger-Kernel's fused linear cross-entropy,
-in plain PyTorch). Backward only scales the stored gradients by the incoming scalar: the same three matmuls as
-unfused (logits, grad of the input, grad of the weight), none recomputed.
+Memory: unfused, a pack of T = 16384 tokens over Qwen's V = 151936 vocabulary holds its bf16 logits (T·V·2 bytes,
+4.98 GB) from forward to backward, and backward builds their bf16 gradient (as many bytes again) before the lm_head
+matmuls consume it. `linear_cross_entropy` instead walks the rows in chunks whose fp32 logits take at most
+`CE_CHUNK_ELEMENTS`; for each chunk it computes the logits, the loss and at once the gradients of the hidden states
+and of the weight, and drops the logits (Liger-Kernel's fused linear cross-entropy, in plain PyTorch). What it holds
+until backward is those two gradients, (T, H) and (V, H), instead of the logits and the bf16 copies of the hidden
+states and weight that nn.Linear saves.
+Compute: backward only scales the stored gradients by the incoming scalar, so the work is the same three matmuls as
+unfused (logits, gradient of the input, gradient of the weight), none recomputed.
 """
 
 from __future__ import annotations

@@ -52,8 +52,9 @@ class TrainModule(nn.Module):
 
     The base model (`model.model`) gets the keywords the HF *ForConditionalGeneration.forward would pass it, and
     the six families' forward is only `lm_head(hidden_states)` on top (no bias, no logit scaling or softcapping).
-    The MoE families' router auxiliary loss, which HF adds only when given labels, was never part of this loss and
-    still is not.
+    The MoE families' router auxiliary loss, which HF adds to its own loss only when given labels, was never part
+    of this loss and still is not (HF also asks the base model for router logits when the config's
+    `output_router_logits` is set; nothing here reads them).
     """
 
     def __init__(self, model: nn.Module):
