@@ -201,7 +201,7 @@ def padded_batch(samples) -> dict:
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded"])
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5", "qwen3_vl_moe"])
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
 def test_train_module_equals_unfused_logits(tiny_model, tiny_samples, monkeypatch, family, layout):
     """In fp32, TrainModule's loss (base model's hidden states + fused lm_head/cross-entropy, several chunks) and
     the gradient of every parameter equal those of the full model's logits + cross-entropy, for a pack and for a
