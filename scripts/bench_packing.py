@@ -1,8 +1,8 @@
 """Throughput of packed varlen batches vs padded batches vs sdpa with a packed (block-diagonal) mask.
 
 Forward+backward of a mid-size Qwen2.5-VL-shaped model (4 decoder layers with Qwen2.5-VL-3B dims, a small ViT, bf16)
-through train.py's own training module (training.step.TrainModule: the model and its chunked cross-entropy) on the
-same samples three ways:
+through train.py's own training module (training.step.TrainModule: the model and its fused lm_head + cross-entropy)
+on the same samples three ways:
 
 - packed-varlen: packs of `--max-tokens` (the data pipeline's best-fit-decreasing), training/packed.py attention;
 - padded-sdpa: `--padded-batch-size` consecutive samples right-padded to the longest, transformers' sdpa;

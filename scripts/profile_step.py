@@ -19,7 +19,8 @@ Categories come from kernel-name patterns (CATEGORIES below): a heuristic. The f
 unmatched names land in `other`, so categories always sum to the total. Known blind spots: transformers' unfused
 rope (rotate_half: neg/cat/mul/add) and its RMSNorm (pow/mean/rsqrt/mul) run as generic elementwise kernels that
 no name separates from other elementwise work; only our fused Triton rope kernels and fused norm kernels (the
-ViT's LayerNorm) are counted under `rope` and `norm`.
+ViT's LayerNorm) are counted under `rope` and `norm`. The training loss (training/loss.py's fused lm_head +
+cross-entropy) runs as GEMMs, under `matmul`, and generic exp/max/sum kernels, under `elementwise`.
 """
 
 from __future__ import annotations

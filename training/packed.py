@@ -13,7 +13,9 @@ Mechanism (the same on transformers 5.17 and 5.23):
   call with them (`cu_seq_lens_q`, `max_length_q`) instead of one call per image; the attention function uses
   those and ignores the text pack.
 - Mask. The registered mask function is sdpa's, and a forward pre-hook drops row 0 (text positions) of packed
-  `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None.
+  `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None. The
+  hook sits on the base model (`model.model`), which receives the keywords unchanged both from the full model and
+  from training/step.py, which calls it directly for the hidden states (its loss applies the lm_head itself).
   Without the hook (packing not enabled) row 0 stays, so a plain sdpa model still masks the pack correctly.
 - Padded batches (no `packed_seqlens`) go through transformers' own sdpa with its padding mask: one model serves
   the packed run and the padded baseline.
@@ -249,7 +251,7 @@ def enable_packed_forward(
     previous = {id(c): c._attn_implementation for c in configs}
     for config in configs:
         config._attn_implementation = PACKED_ATTENTION
-    hook = model.register_forward_pre_hook(_enter_pack, with_kwargs=True)
+    hook = model.model.register_forward_pre_hook(_enter_pack, with_kwargs=True)
     model._packed_forward_state = _PackedForwardState(hook=hook, previous_attn=previous)
     logger.info("packed forward: %s on %d configs; Gated DeltaNet backend: %s", PACKED_ATTENTION, len(configs), backend)
     return backend
@@ -304,7 +306,8 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     (P, C·tp·p·p) or None, image_grid_thw long (n_images,3) or None, pixel_values_videos / video_grid_thw likewise
     for videos, cu_seqlens int32 (n+1,), max_seqlen int,
     sample_lengths list[int]; tensors already on the model's device except possibly cu_seqlens.
-    Returns those model keys plus `packed_seqlens`; the model returns logits (1,T,V).
+    Returns those model keys plus `packed_seqlens`; the model returns logits (1,T,V), its base model
+    (`model.model`, given the same keywords) the last hidden states (1,T,H).
     Raises ValueError when the model was not prepared with `enable_packed_forward` (its samples would leak into
     each other) or when the batch's boundaries disagree with its shapes.
     """

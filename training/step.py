@@ -3,7 +3,8 @@ label tokens across micro-batches and ranks, gradients clipped, no host sync; an
 
 `TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
 micro-step; where ranks must make the same vision-tower calls, a pack that lacks images or videos sends a dummy
-image through the tower in their place (VisionAlignment).
+image through the tower in their place (VisionAlignment). The loss is training/loss.py's fused lm_head +
+cross-entropy: the (T, V) logits and their gradient are never materialised.
 """
 
 from __future__ import annotations
@@ -13,21 +14,19 @@ import math
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from accelerate import Accelerator
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
-from torch.utils.checkpoint import checkpoint
 
 from data.pipeline import STEP_VISION
 from data.processing import IGNORE_INDEX
 from training import packed
+from training.loss import linear_cross_entropy
 
 PHASE = "phase/"
 """Prefix of the step's phase annotations (data wait, forward, backward, ...): free without a profiler; under one
 they let scripts/profile_step.py say in which phase the GPU sat idle."""
-CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
 VISION_KINDS = ("pixel_values", "pixel_values_videos")  # the model calls the vision tower once per kind present
 
@@ -59,38 +58,24 @@ def _tensor_sum(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _chunk_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
-
-
-def summed_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, chunk_tokens: int | None = None) -> torch.Tensor:
-    """Σ over label tokens of -log softmax(logits)[label], in fp32, without a full fp32 copy of the logits.
-
-    logits: (N, V) in the compute dtype (bf16 under autocast); labels: long (N,), IGNORE_INDEX where no target.
-    Returns an fp32 scalar. Each chunk of `chunk_tokens` rows (default: CE_CHUNK_ELEMENTS / V) is upcast, reduced
-    and dropped; backward recomputes it (activation checkpointing), so the fp32 log-probabilities of a 16k x 152k
-    pack (~10 GB, plus as much again for their gradient) never exist at once.
-    """
-    chunk = chunk_tokens or max(1, CE_CHUNK_ELEMENTS // logits.shape[-1])
-    if logits.shape[0] <= chunk:
-        return _chunk_cross_entropy(logits, labels)
-    sums = [
-        checkpoint(_chunk_cross_entropy, part, part_labels, use_reentrant=False)
-        for part, part_labels in zip(logits.split(chunk), labels.split(chunk))
-    ]
-    return torch.stack(sums).sum()
-
-
 class TrainModule(nn.Module):
     """HF model + summed cross-entropy in one forward.
 
-    forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), computed from the model's logits
-    (1, T, V) (or (B, S, V) padded) and `shift_labels` by `summed_cross_entropy` (no HF loss, no full fp32 copy of
-    the logits). The caller divides by the global label count.
+    forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), from the base model's last hidden states
+    (1, T, H) (or (B, S, H) padded), the lm_head weight and `shift_labels`, by `linear_cross_entropy` (no HF
+    logits, no HF loss). The caller divides by the global label count.
+
+    The base model (`model.model`) gets the keywords the HF *ForConditionalGeneration.forward would pass it, and
+    the six families' forward is only `lm_head(hidden_states)` on top (no bias, no logit scaling or softcapping).
+    The MoE families' router auxiliary loss, which HF adds to its own loss only when given labels, was never part
+    of this loss and still is not (HF also asks the base model for router logits when the config's
+    `output_router_logits` is set; nothing here reads them).
     """
 
     def __init__(self, model: nn.Module, vision_alignment: VisionAlignment = "every_kind"):
         super().__init__()
+        if getattr(model.lm_head, "bias", None) is not None:
+            raise ValueError("the fused lm_head + cross-entropy takes no bias, but this model's lm_head has one.")
         self.model = model
         self.vision_alignment = vision_alignment
         # FSDP2 auto-wrapping reads the layer classes to shard from the root module.
@@ -127,9 +112,11 @@ class TrainModule(nn.Module):
                 for _ in range(self.dummy_vision_calls(batch))
             ]
         with record_function(PHASE + "model_forward"):
-            logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+            hidden = self.model.model(**self.model_inputs(batch), use_cache=False).last_hidden_state
         with record_function(PHASE + "loss"):
-            loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
+            # Read here, not before: under FSDP2 the root unit's parameters are the unsharded ones only inside forward.
+            weight = self.model.lm_head.weight
+            loss_sum = linear_cross_entropy(hidden.flatten(0, 1), weight, batch["shift_labels"].flatten())
         return loss_sum + 0.0 * sum(dummies) if dummies else loss_sum
 
 
