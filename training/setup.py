@@ -123,14 +123,14 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     else:
         grad_params = [p for p in module.parameters() if p.requires_grad]
     return TrainingSetup(
-        module,
-        optimizer,
-        grad_params,
-        scheduler,
-        processor,
-        train_loader,
-        eval_loader,
-        flop_profile,
-        fused_rope,
-        masters,
+        module=module,
+        optimizer=optimizer,
+        grad_params=grad_params,
+        scheduler=scheduler,
+        processor=processor,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        flop_profile=flop_profile,
+        fused_rope=fused_rope,
+        masters=masters,
     )
