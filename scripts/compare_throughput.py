@@ -41,6 +41,10 @@ Variants (train.py overrides they set):
   liger    kernels.mrope=unfused, packing.mode=packed, with Liger-Kernel's rope in transformers' place — only for
            Qwen2/2.5-VL and only when liger_kernel imports; otherwise it is left out with the reason printed
   padded   kernels.mrope=fused,   packing.mode=padded   (per-sample padded batches: the packing baseline)
+  bf16-weights  kernels.mrope=fused, packing.mode=packed, train.master_weights=optimizer (the module computes on
+           bf16 weights, the optimizer steps fp32 masters; compare with --variants fused,bf16-weights
+           --baseline fused) — only without --launcher: DDP refuses it and FSDP2 already computes on bf16 weights
+  Every variant but bf16-weights sets train.master_weights=module.
 """
 
 from __future__ import annotations
@@ -66,16 +70,19 @@ from scripts.launch import ROOT, log_tail, run_logged
 from training import run_files
 from training.config import load_config
 
+FP32_MODULE = {"train.master_weights": "module"}
 VARIANT_OVERRIDES = {
-    "fused": {"kernels.mrope": "fused", "packing.mode": "packed"},
-    "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed"},
-    "liger": {"kernels.mrope": "unfused", "packing.mode": "packed"},
-    "padded": {"kernels.mrope": "fused", "packing.mode": "padded"},
+    "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
+    "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
+    "liger": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
+    "padded": {"kernels.mrope": "fused", "packing.mode": "padded", **FP32_MODULE},
+    "bf16-weights": {"kernels.mrope": "fused", "packing.mode": "packed", "train.master_weights": "optimizer"},
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
     "kernels.mrope",
     "packing.mode",
+    "train.master_weights",
     "train.output_dir",
     "train.max_steps",
     "logging.group",
@@ -207,6 +214,11 @@ def select_variants(requested: str, model_type: str, launcher: str | None) -> tu
             left_out["liger"] = "liger_kernel is not installed (pip install liger-kernel)"
         elif launcher is not None:
             left_out["liger"] = "the liger variant runs only without --launcher (one process)"
+    if "bf16-weights" in names and launcher is not None:
+        left_out["bf16-weights"] = (
+            "train.master_weights=optimizer runs only without --launcher (one process): DDP refuses it, FSDP2 "
+            "already computes on bf16 weights"
+        )
     kept = [v for v in names if v not in left_out]
     if len(kept) < 2:
         raise ConfigError(f"need at least two variants to compare, have {kept} (left out: {left_out}).")
@@ -364,6 +376,9 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
     if "fused" in rows and "liger" in rows:
         named["fused/liger tokens/s"] = _ratio(rows["fused"], rows["liger"])
+    if "fused" in rows and "bf16-weights" in rows:
+        named["bf16-weights/fused tokens/s"] = _ratio(rows["bf16-weights"], rows["fused"])
+        named["bf16-weights vs fused max |dloss|"] = max_abs_loss_gap(by_name["bf16-weights"][0], by_name["fused"][0])
     return {"baseline": baseline, "host_bound_threshold": HOST_BOUND_THRESHOLD, "variants": rows, "ratios": named}
 
 

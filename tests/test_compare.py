@@ -196,6 +196,27 @@ def test_variant_selection_refuses_bad_requests():
         compare.select_variants("fused,liger", "qwen3_5", None)
 
 
+def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():
+    """bf16-weights is the fused variant with train.master_weights=optimizer (every other variant sets module, and a
+    user override of the key is refused); it is left out under --launcher (one process only); its tokens/s ratio
+    and loss gap are named against fused."""
+    bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
+    assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
+    assert {v["train.master_weights"] for n, v in compare.VARIANT_OVERRIDES.items() if n != "bf16-weights"} == {
+        "module"
+    }
+    assert "train.master_weights" in compare.RESERVED_KEYS
+    kept, left_out = compare.select_variants("fused,bf16-weights,unfused", "qwen2_5_vl", "accelerate launch")
+    assert kept == ["fused", "unfused"] and "DDP refuses it" in left_out["bf16-weights"]
+    results = [
+        _result("fused", [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], 100.0),
+        _result("bf16-weights", [5.0, 4.05, 3.0], [0.9, 0.8, 0.9], 125.0),
+    ]
+    ratios = compare.compare(results, "fused", warmup=1)["ratios"]
+    assert ratios["bf16-weights/fused tokens/s"]["median"] == pytest.approx(1.25)
+    assert ratios["bf16-weights vs fused max |dloss|"] == pytest.approx(0.05)
+
+
 def test_overrides_of_the_compared_keys_are_refused():
     """A user override of a key the comparison sets itself (here the rope choice) is refused before any run."""
     with pytest.raises(ConfigError, match=r"kernels\.mrope"):

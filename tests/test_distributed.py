@@ -183,6 +183,22 @@ def test_export_of_the_two_process_run_loads_in_one_process(runs):
     assert model.config.model_type == "qwen2_5_vl"
 
 
+@pytest.mark.slow
+def test_master_weights_in_the_optimizer_is_refused_under_ddp(tmp_path):
+    """train.master_weights=optimizer under two DDP processes ends every rank with a one-line config error that
+    points to FSDP2 (DDP would all-reduce bf16 gradients), before any model is built."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/ddp.yaml"]
+    command += ["--num_processes=2", f"--main_process_port={free_port()}", "train.py", "--config", TINY, *COMMON]
+    command += [f"train.output_dir={tmp_path / 'run'}", "model.dtype=bfloat16", "train.master_weights=optimizer"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    outcome = run_logged(command, tmp_path / "run.log", LAUNCH_TIMEOUT_S, env=env, new_session=True)
+    output = (tmp_path / "run.log").read_text()
+    assert outcome.code not in (0, None), output[-3000:]
+    refusal = "config error: train.master_weights=optimizer is not supported with 2 DDP processes"
+    assert output.count(refusal) == 2 and "recipes/accelerate/fsdp2.yaml" in output, output[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
 def test_fsdp_gradients_reduce_in_fp32_and_cpu_hosts_form_a_group(monkeypatch):
     """Under FSDP (as `accelerate launch` with fsdp2.yaml sets it) parameters are gathered in the compute dtype and
     gradients reduce-scattered in fp32, while the rest of the FSDP settings still come from the launcher; without

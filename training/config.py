@@ -59,6 +59,10 @@ class TrainConfig:
     grad_accum_steps: int = 1
     eval_every: int = 0  # 0 = no periodic eval
     eval_batches: int = 4
+    # Where the fp32 master weights live (training/master_weights.py): "module" = an fp32 module that autocast casts
+    # to model.dtype at every use; "optimizer" = the module holds model.dtype weights and AdamW steps fp32 copies
+    # (one process; a no-op for float32 and under FSDP2, which already does it; refused under DDP)
+    master_weights: Literal["module", "optimizer"] = "module"
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -140,6 +144,11 @@ class Config:
             raise ConfigError(
                 "train.eval_every > 0 needs a held-out split: set data.eval_fraction > 0 (e.g. 0.02) "
                 "or train.eval_every=0."
+            )
+        if self.train.master_weights == "optimizer" and self.model.dtype == "float16":
+            raise ConfigError(
+                "train.master_weights=optimizer supports model.dtype=bfloat16 only: float16 weights would need their "
+                "gradients loss-scaled. Use model.dtype=bfloat16 or train.master_weights=module."
             )
         for part in ("vision", "merger"):
             if getattr(self.model, f"freeze_{part}") and getattr(self.train, f"lr_{part}") is not None:

@@ -44,7 +44,6 @@ class Steps:
 
     def __init__(self, accelerator: Accelerator, setup: TrainingSetup, train_cfg: TrainConfig):
         self.accelerator, self.setup, self.train_cfg = accelerator, setup, train_cfg
-        self.params = [p for p in setup.module.parameters() if p.requires_grad]
         self.batches = Prefetcher(setup.train_loader, pin=accelerator.device.type == "cuda")
         setup.module.train()
 
@@ -58,7 +57,7 @@ class Steps:
             setup.module,
             setup.optimizer,
             setup.scheduler,
-            self.params,
+            setup.grad_params,
             host_batches,
             self.train_cfg.max_grad_norm,
         )

@@ -44,10 +44,11 @@ def param_groups(model: nn.Module, train_cfg: TrainConfig) -> list[dict]:
     return groups
 
 
-def build_optimizer(model: nn.Module, train_cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
-    """AdamW over `param_groups`; the fused single-kernel implementation when training on CUDA (`device_type`)."""
+def build_optimizer(groups: list[dict], train_cfg: TrainConfig, device_type: str) -> torch.optim.AdamW:
+    """AdamW over `groups` (`param_groups`, or their fp32 masters); the fused single-kernel implementation when
+    training on CUDA (`device_type`)."""
     fused = True if device_type == "cuda" else None  # None: PyTorch's default (foreach) elsewhere
-    return torch.optim.AdamW(param_groups(model, train_cfg), betas=tuple(train_cfg.adam_betas), fused=fused)
+    return torch.optim.AdamW(groups, betas=tuple(train_cfg.adam_betas), fused=fused)
 
 
 def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_lr_ratio: float) -> float:

@@ -21,7 +21,7 @@ from accelerate.utils import DistributedType, set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import distributed, metrics, optim, parts, step
+from training import distributed, master_weights, metrics, optim, parts, step
 from training.config import Config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
@@ -35,12 +35,14 @@ class TrainingSetup:
 
     module: torch.nn.Module  # loop.TrainModule around the HF model, wrapped for DDP/FSDP2
     optimizer: torch.optim.Optimizer
+    grad_params: list[torch.nn.Parameter]  # the tensors the optimizer steps, whose gradients are clipped
     scheduler: torch.optim.lr_scheduler.LRScheduler
     processor: Any  # the recipe's HF processor, shipped with the export
     train_loader: StepLoader
     eval_loader: StepLoader
     flop_profile: metrics.FlopProfile
     fused_rope: bool  # the Triton rope kernels run (patched in, on CUDA or under the Triton interpreter)
+    masters: master_weights.MasterWeights | None  # train.master_weights=optimizer: the fp32 masters, else None
 
 
 def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Accelerator:
@@ -70,9 +72,12 @@ def vision_alignment(accelerator: Accelerator) -> step.VisionAlignment:
 def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible.
 
-    The model keeps fp32 master weights (autocast computes in `model.dtype`) and gets the recipe's rope kernels,
-    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters.
+    The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing and gradient
+    checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
+    `model.dtype`), or with `train.master_weights=optimizer` the module is cast to `model.dtype` and the optimizer
+    steps fp32 copies (training/master_weights.py).
     """
+    keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
@@ -110,7 +115,30 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
 
     flop_profile = metrics.FlopProfile.from_model(model)
     module = step.TrainModule(model, vision_alignment(accelerator))
-    optimizer = optim.build_optimizer(model, cfg.train, accelerator.device.type)
+    groups = optim.param_groups(model, cfg.train)
+    masters = None
+    if keep_masters_in_optimizer:
+        masters = master_weights.MasterWeights(model, getattr(torch, cfg.model.dtype), accelerator.device)
+        groups = masters.param_groups(groups)
+    optimizer = optim.build_optimizer(groups, cfg.train, accelerator.device.type)
+    if masters is not None:
+        masters.follow(optimizer)
     scheduler = optim.build_scheduler(optimizer, cfg.train)
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
-    return TrainingSetup(module, optimizer, scheduler, processor, train_loader, eval_loader, flop_profile, fused_rope)
+    if masters is not None:
+        accelerator.register_for_checkpointing(masters)
+        grad_params = masters.masters
+    else:
+        grad_params = [p for p in module.parameters() if p.requires_grad]
+    return TrainingSetup(
+        module=module,
+        optimizer=optimizer,
+        grad_params=grad_params,
+        scheduler=scheduler,
+        processor=processor,
+        train_loader=train_loader,
+        eval_loader=eval_loader,
+        flop_profile=flop_profile,
+        fused_rope=fused_rope,
+        masters=masters,
+    )
