@@ -21,7 +21,7 @@ from torch.profiler import record_function
 from torch.utils.checkpoint import checkpoint
 
 from data.processing import IGNORE_INDEX
-from training import packed
+from training import packed, vision_plan
 
 PHASE = "phase/"
 """Prefix of the step's phase annotations (data wait, forward, backward, ...): free without a profiler; under one
@@ -89,6 +89,9 @@ class TrainModule(nn.Module):
         # The smallest valid image: one temporal step, merge x merge patches → one merged token.
         self.register_buffer("dummy_pixels", torch.zeros(merge * merge, patch_dim), persistent=False)
         self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
+        self._dummy_rows = ((1, merge, merge),)
+        # The tower's grid metadata, computed on the host from the batch's host grids (training/vision_plan.py).
+        self.vision_plans = vision_plan.VisionPlans(model.model.visual)
 
     def model_inputs(self, batch: dict) -> dict:
         if "cu_seqlens" in batch:
@@ -101,6 +104,8 @@ class TrainModule(nn.Module):
         # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
+        self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
+        inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
         with record_function(PHASE + "vision_dummies"):
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
@@ -108,7 +113,8 @@ class TrainModule(nn.Module):
                 if batch.get(key) is None
             ]
         with record_function(PHASE + "model_forward"):
-            logits = self.model(**self.model_inputs(batch), use_cache=False).logits
+            logits = self.model(**inputs, use_cache=False).logits
+        self.vision_plans.clear()
         with record_function(PHASE + "loss"):
             loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
         return loss_sum + 0.0 * sum(dummies) if dummies else loss_sum
@@ -116,8 +122,10 @@ class TrainModule(nn.Module):
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """Tensors to `device`; Python values (counts, lengths) stay on the host. Non-blocking: asynchronous from
-    pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy. The vision grids are also
+    kept as host ints (`vision_plan.HOST_GRIDS`), for TrainModule's vision plans."""
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {**out, vision_plan.HOST_GRIDS: vision_plan.host_grids(batch)}
 
 
 def accumulate_gradients(
