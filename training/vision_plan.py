@@ -22,6 +22,7 @@ not as tensors: DDP and FSDP2 move every tensor of a root module's inputs to the
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -58,9 +59,14 @@ def vision_parts(visual: nn.Module) -> tuple[str, ...]:
 
     Raises ValueError for a tower class this module does not know, or whose forward no longer calls the helpers
     the table says it does (another transformers version): a plan must be exactly what the tower would derive."""
-    cls = next((c for c in type(visual).__mro__ if c.__name__ in _FAMILY_PARTS), None)  # FSDP2 subclasses it
+    return _class_parts(type(visual))
+
+
+@functools.cache
+def _class_parts(visual_cls: type) -> tuple[str, ...]:
+    cls = next((c for c in visual_cls.__mro__ if c.__name__ in _FAMILY_PARTS), None)  # FSDP2 subclasses it
     if cls is None:
-        raise ValueError(f"no vision plan for {type(visual).__name__}; known: {', '.join(_FAMILY_PARTS)}.")
+        raise ValueError(f"no vision plan for {visual_cls.__name__}; known: {', '.join(_FAMILY_PARTS)}.")
     parts = _FAMILY_PARTS[cls.__name__]
     source = inspect.getsource(cls.forward)
     missing = [name for part in parts for name in _PART_HELPERS[part] if name not in source]
@@ -128,10 +134,11 @@ def host_grids(batch: dict) -> dict:
 class VisionPlans:
     """Precomputed vision kwargs for the current forward, injected into the tower's calls by a pre-hook.
 
-    `prepare(grid, host_rows)` plans one call, `clear()` drops the forward's plans; a call whose `grid_thw` is not
-    (by identity) a prepared grid is left untouched. `constant(grid)` plans a grid that never changes (the dummy
-    image) once and keeps it across forwards. Gradient checkpointing recomputes vision blocks with the arguments
-    they were first called with, never the tower's forward, so the hook runs once per call. `remove()` undoes it.
+    `prepare_batch(inputs, host_grids)` (or `prepare(grid, host_rows)` for one call) plans a forward's calls,
+    `clear()` drops them; a call whose `grid_thw` is not (by identity) a planned grid is left untouched.
+    `constant(grid, host_rows)` plans a grid that never changes (the dummy image) once, across forwards.
+    Gradient checkpointing recomputes vision blocks with the arguments they were first called with, never the
+    tower's forward, so the hook runs once per call. `remove()` undoes it.
     """
 
     def __init__(self, visual: nn.Module):
