@@ -9,9 +9,9 @@ Mechanism (the same on transformers 5.17 and 5.23):
   per-layer derivation and no device sync. The name `packed_seqlens` collides with nothing transformers reads,
   unlike the top-level `cu_seq_lens_*` keywords 5.17 leaks into the vision encoder.
 - Vision attention. The tower takes its per-image (and, for Qwen2.5-VL, per-window) boundaries from the host-side
-  plan of training/vision_plan.py (TrainModule), or else derives them from `image_grid_thw` once per forward. Our implementation name contains "flash", so each vision block makes one
-  call with them (`cu_seq_lens_q`, `max_length_q`) instead of one call per image; the attention function uses
-  those and ignores the text pack.
+  plan of training/vision_plan.py (TrainModule), or else derives them from `image_grid_thw` once per forward. Our
+  implementation name contains "flash", so each vision block makes one call with them (`cu_seq_lens_q`,
+  `max_length_q`) instead of one call per image; the attention function uses those and ignores the text pack.
 - Mask. The registered mask function is sdpa's, and a forward pre-hook drops row 0 (text positions) of packed
   `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None.
   Without the hook (packing not enabled) row 0 stays, so a plain sdpa model still masks the pack correctly.
