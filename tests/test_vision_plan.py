@@ -50,11 +50,13 @@ def grads_of(module: step.TrainModule, batch: dict) -> tuple[torch.Tensor, dict[
     return loss.detach(), {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_plan_equals_what_the_tower_derives(tiny_model, tiny_samples, family, monkeypatch):
-    """For image and video grids, every planned value (dtype included) equals the one the tower's own forward
-    derives from the grid when called without a plan: same helpers, same arguments."""
-    model = packed_model(tiny_model, family)
+def test_plan_equals_what_the_tower_derives(tiny_model, tiny_samples, family, device, monkeypatch):
+    """For image and video grids, every planned value (dtype and device included) equals the one the tower's own
+    forward derives from the grid on `device` when called without a plan: same helpers, same arguments; on CUDA
+    computed on the host and copied from pinned memory."""
+    model = packed_model(tiny_model, family).to(device)
     visual, module = model.model.visual, modeling_module(model)
     derived: dict[str, list] = {}
 
@@ -71,13 +73,13 @@ def test_plan_equals_what_the_tower_derives(tiny_model, tiny_samples, family, mo
     for name in HELPER_KEYS:
         if hasattr(module, name):
             record(name)
-    batch = pack_samples(model, tiny_samples(model, VIDEO_PACK))
+    batch = pack_samples(model, tiny_samples(model, VIDEO_PACK, device=device))
     for key in vision_plan.GRID_KEYS:
         derived.clear()
         grid, pixels = batch[key], batch["pixel_values" if key == "image_grid_thw" else "pixel_values_videos"]
         with torch.no_grad():
             visual(pixels, grid_thw=grid)
-        plan = vision_plan.plan_kwargs(visual, grid.cpu(), "cpu")
+        plan = vision_plan.plan_kwargs(visual, grid.cpu(), device)
         expected = {"position_ids": derived["get_vision_position_ids"][0]}
         expected["cu_seqlens"], expected["max_seqlen"] = derived["get_vision_attention_seqlens"][0]
         if "get_vision_window_index" in derived:
@@ -92,7 +94,8 @@ def test_plan_equals_what_the_tower_derives(tiny_model, tiny_samples, family, mo
         assert ("interp_indices" in plan) == family.startswith("qwen3")
         for name, value in expected.items():
             if isinstance(value, torch.Tensor):
-                assert plan[name].dtype == value.dtype, name
+                assert plan[name].device.type == device and plan[name].dtype == value.dtype, name
+                value = value.to(device)  # Qwen2.5-VL's window_index: transformers builds it on the host
                 assert torch.equal(plan[name], value), name
             else:
                 assert type(plan[name]) is int and plan[name] == value, name
@@ -133,6 +136,10 @@ def test_planned_forward_backward_equals_unplanned(tiny_model, tiny_samples, fam
     for name, key in HELPER_KEYS.items():
         if hasattr(helpers, name):
             strict(name, key)
+    block_kwargs: list[set] = []
+    model.model.visual.blocks[0].register_forward_pre_hook(
+        lambda _, args, kw: block_kwargs.append(set(kw)), with_kwargs=True
+    )
     planned = step.to_device(batch, torch.device("cpu"))
     assert planned[vision_plan.HOST_GRIDS].keys() == {k for k in vision_plan.GRID_KEYS if batch.get(k) is not None}
     loss, grads = grads_of(module, planned)
@@ -141,6 +148,8 @@ def test_planned_forward_backward_equals_unplanned(tiny_model, tiny_samples, fam
     for name, grad in grads_ref.items():
         assert torch.equal(grads[name], grad), name
     assert module.vision_plans._plans == {}, "the forward's plans outlived it"
+    leaked = {"position_ids", "window_index", "cu_window_seqlens", "max_window_seqlen", "interp_indices"}
+    assert block_kwargs and not any(leaked & keys for keys in block_kwargs), "a plan key was not consumed"
 
 
 def test_planned_equals_unplanned_with_vision_gradient_checkpointing(tiny_model, tiny_samples):
