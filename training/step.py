@@ -104,8 +104,9 @@ class TrainModule(nn.Module):
         # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
-        self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
-        inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
+        with record_function(PHASE + "vision_plan"):
+            self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
+            inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
         with record_function(PHASE + "vision_dummies"):
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
