@@ -120,6 +120,7 @@ def plan_kwargs(visual: nn.Module, grid_thw: torch.Tensor, device: torch.device 
 class _Plan:
     grid: torch.Tensor  # the exact tensor object the tower will be called with
     kwargs: dict
+    attn: str | None = None  # the tower's attention implementation when planned
 
 
 def host_grids(batch: dict) -> dict:
@@ -174,10 +175,14 @@ class VisionPlans:
 
     def constant(self, grid: torch.Tensor, host_rows) -> None:
         """Plan the call with `grid`, a fixed tensor (the dummy image's) equal to `host_rows`, for every later
-        forward; planned again only when `grid` is another tensor (the module moved to another device)."""
-        if (plan := self._constants.get(id(grid))) is None or plan.grid is not grid:
+        forward; planned again only when `grid` is another tensor (the module moved to another device) or the
+        tower's attention implementation changed (it decides whether there are max seqlens)."""
+        plan = self._constants.get(id(grid))
+        attn = self.visual.config._attn_implementation
+        if plan is None or plan.grid is not grid or plan.attn != attn:
             host = torch.tensor(host_rows, dtype=torch.long).reshape(-1, 3)
-            self._constants = {id(grid): _Plan(grid, plan_kwargs(self.visual, host, _tower_device(self.visual, grid)))}
+            kwargs = plan_kwargs(self.visual, host, _tower_device(self.visual, grid))
+            self._constants = {id(grid): _Plan(grid, kwargs, attn)}
 
     def clear(self) -> None:
         self._plans = {}
@@ -191,7 +196,7 @@ class VisionPlans:
         plan = self._plans.get(id(grid)) or self._constants.get(id(grid))
         if plan is None or plan.grid is not grid:
             return None
-        return args, {**kwargs, **plan.kwargs}
+        return args, {**plan.kwargs, **kwargs}  # a value the caller passed itself wins
 
 
 def _tower_device(visual: nn.Module, grid: torch.Tensor) -> torch.device:
