@@ -8,10 +8,10 @@ Mechanism (the same on transformers 5.17 and 5.23):
   checkpointing replays them, so the boundaries computed once per batch by the collator reach every layer with no
   per-layer derivation and no device sync. The name `packed_seqlens` collides with nothing transformers reads,
   unlike the top-level `cu_seq_lens_*` keywords 5.17 leaks into the vision encoder.
-- Vision attention. The tower derives its own per-image (and, for Qwen2.5-VL, per-window) boundaries from
-  `image_grid_thw` once per forward. Our implementation name contains "flash", so each vision block makes one
-  call with them (`cu_seq_lens_q`, `max_length_q`) instead of one call per image; the attention function uses
-  those and ignores the text pack.
+- Vision attention. The tower takes its per-image (and, for Qwen2.5-VL, per-window) boundaries from the host-side
+  plan of training/vision_plan.py (TrainModule), or else derives them from `image_grid_thw` once per forward. Our
+  implementation name contains "flash", so each vision block makes one call with them (`cu_seq_lens_q`,
+  `max_length_q`) instead of one call per image; the attention function uses those and ignores the text pack.
 - Mask. The registered mask function is sdpa's, and a forward pre-hook drops row 0 (text positions) of packed
   `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None. The
   hook sits on the base model (`model.model`), which receives the keywords unchanged both from the full model and

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from data.pipeline import STEP_VISION
 from data.processing import IGNORE_INDEX
-from training import packed
+from training import packed, vision_plan
 from training.loss import linear_cross_entropy
 
 PHASE = "phase/"
@@ -86,6 +86,9 @@ class TrainModule(nn.Module):
         # The smallest valid image: one temporal step, merge x merge patches → one merged token.
         self.register_buffer("dummy_pixels", torch.zeros(merge * merge, patch_dim), persistent=False)
         self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
+        self._dummy_rows = ((1, merge, merge),)
+        # The tower's grid metadata, computed on the host from the batch's host grids (training/vision_plan.py).
+        self.vision_plans = vision_plan.VisionPlans(model.model.visual)
 
     def model_inputs(self, batch: dict) -> dict:
         if "cu_seqlens" in batch:
@@ -106,13 +109,17 @@ class TrainModule(nn.Module):
     def forward(self, batch: dict) -> torch.Tensor:
         # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
         visual = self.model.model.visual
+        with record_function(PHASE + "vision_plan"):
+            self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
+            inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
         with record_function(PHASE + "vision_dummies"):
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
                 for _ in range(self.dummy_vision_calls(batch))
             ]
         with record_function(PHASE + "model_forward"):
-            hidden = self.model.model(**self.model_inputs(batch), use_cache=False).last_hidden_state
+            hidden = self.model.model(**inputs, use_cache=False).last_hidden_state
+        self.vision_plans.clear()
         with record_function(PHASE + "loss"):
             # Read here, not before: under FSDP2 the root unit's parameters are the unsharded ones only inside forward.
             weight = self.model.lm_head.weight
@@ -122,8 +129,10 @@ class TrainModule(nn.Module):
 
 def to_device(batch: dict, device: torch.device) -> dict:
     """Tensors to `device`; Python values (counts, lengths) stay on the host. Non-blocking: asynchronous from
-    pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy."""
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy. The vision grids are also
+    kept as host ints (`vision_plan.HOST_GRIDS`), for TrainModule's vision plans."""
+    out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {**out, vision_plan.HOST_GRIDS: vision_plan.host_grids(batch)}
 
 
 def accumulate_gradients(
