@@ -59,6 +59,9 @@ class TrainConfig:
     grad_accum_steps: int = 1
     eval_every: int = 0  # 0 = no periodic eval
     eval_batches: int = 4
+    # Regional torch.compile: every decoder layer and ViT block compiled in place with dynamic shapes (inductor),
+    # Qwen3.5's Gated DeltaNet mixers left eager (training/compile.py); the first step carries the compile time
+    compile: bool = False
 
     def validate(self) -> None:
         if self.lr <= 0:

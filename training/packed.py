@@ -145,6 +145,27 @@ def _per_segment_sdpa(
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
+def _masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scaling: float, causal: bool
+) -> torch.Tensor:
+    """One SDPA call under a block-diagonal (and, if causal, lower-triangular) boolean mask built on the device
+    from `cu_seqlens`. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D).
+
+    The traced stand-in for `_per_segment_sdpa`: its graph depends on no host-side length, so packs of other
+    lengths and sample counts reuse it (torch.compile, training/compile.py). O(T²) mask: a CPU / fp32 path only.
+    """
+    tokens = torch.arange(query.shape[2], device=query.device)
+    # Boundaries at or before each token: the sample index + 1. No slice of cu_seqlens, whose size would then
+    # specialize the graph to packs of one sample or of several.
+    segment = (tokens[:, None] >= cu_seqlens.to(query.device)).sum(-1)
+    mask = segment[:, None] == segment[None, :]
+    if causal:
+        mask = mask & (tokens[:, None] >= tokens[None, :])
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -180,7 +201,9 @@ def packed_attention_forward(
         causal, cu_seqlens, max_seqlen, lengths = False, vision_cu_seqlens, kwargs.get("max_length_q"), None
     else:
         causal, cu_seqlens, max_seqlen, lengths = True, pack.cu_seqlens, pack.max_seqlen, pack.sample_lengths
-        if pack.total_tokens != query.shape[2]:
+        # Under torch.compile the host lengths stay unread (packed_model_inputs checked them): reading them would
+        # specialize the graph to this pack's lengths and recompile for the next.
+        if not torch.compiler.is_compiling() and pack.total_tokens != query.shape[2]:
             raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens but the sequence has {query.shape[2]}.")
 
     half = varlen_dtype(query, key, value)
@@ -189,6 +212,8 @@ def packed_attention_forward(
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
         out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
+    elif torch.compiler.is_compiling():
+        out = _masked_sdpa(query, key, value, cu_seqlens, scaling, causal)
     else:
         if lengths is None:  # vision boundaries are a tensor; on this (CPU or fp32) path a host copy is cheap
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()

@@ -22,6 +22,7 @@ from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
 from training import distributed, metrics, optim, parts, step
+from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
@@ -63,7 +64,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible.
 
     The model keeps fp32 master weights (autocast computes in `model.dtype`) and gets the recipe's rope kernels,
-    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters.
+    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters; with
+    `train.compile`, its blocks are then compiled in place (training/compile.py), before accelerate wraps them.
     """
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
@@ -83,6 +85,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     parts.enable_gradient_checkpointing(
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
+    if cfg.train.compile:
+        compile_blocks(model)
     log.info(
         "rope: %s; trainable parameters per part: %s",
         "fused (Triton)" if fused_rope else "reference (fused ops, PyTorch math)" if rope else "unfused",
