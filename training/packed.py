@@ -27,7 +27,6 @@ otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths.
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import inspect
 import logging
@@ -75,12 +74,16 @@ class PackedSeqlens:
         return sum(self.sample_lengths)
 
 
-@functools.cache
 def _varlen_attn_takes_gqa() -> bool:
     """torch 2.13's varlen_attn shares kv heads itself (`enable_gqa`); 2.11's needs them repeated."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # a torch without varlen_attn: the varlen path needs flash-attn
+        return False
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_ATTN_TAKES_GQA = _varlen_attn_takes_gqa()  # read once here, not in every torch.compile trace
 
 
 def _varlen_kernel(
@@ -104,7 +107,7 @@ def _varlen_kernel(
 
     window = (-1, 0) if causal else (-1, -1)
     groups = query.shape[1] // key.shape[1]
-    if groups > 1 and not _varlen_attn_takes_gqa():
+    if groups > 1 and not _VARLEN_ATTN_TAKES_GQA:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         groups = 1
     extra = {"enable_gqa": True} if groups > 1 else {}
