@@ -21,7 +21,10 @@ Mechanism (the same on transformers 5.17 and 5.23):
 
 Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
 function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
-otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths.
+otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths. Inside a torch.compile trace
+(training/compile.py) the host-side lengths are never read, so a graph fits packs of any shape: the varlen call
+takes `cu_seqlens` and a symbolic `max_seqlen`, and the CPU / fp32 path becomes one SDPA call under a
+block-diagonal mask built from `cu_seqlens` on the device.
 """
 
 from __future__ import annotations
