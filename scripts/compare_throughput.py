@@ -41,6 +41,8 @@ Variants (train.py overrides they set):
   liger    kernels.mrope=unfused, packing.mode=packed, with Liger-Kernel's rope in transformers' place — only for
            Qwen2/2.5-VL and only when liger_kernel imports; otherwise it is left out with the reason printed
   padded   kernels.mrope=fused,   packing.mode=padded   (per-sample padded batches: the packing baseline)
+  compiled kernels.mrope=fused,   packing.mode=packed, train.compile=true (regional torch.compile; the compile
+           falls in the first, untimed step)
 """
 
 from __future__ import annotations
@@ -71,11 +73,13 @@ VARIANT_OVERRIDES = {
     "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed"},
     "liger": {"kernels.mrope": "unfused", "packing.mode": "packed"},
     "padded": {"kernels.mrope": "fused", "packing.mode": "padded"},
+    "compiled": {"kernels.mrope": "fused", "packing.mode": "packed", "train.compile": "true"},
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
     "kernels.mrope",
     "packing.mode",
+    "train.compile",
     "train.output_dir",
     "train.max_steps",
     "logging.group",
@@ -362,6 +366,8 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
         named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"][0], by_name["unfused"][0])
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
+    if "fused" in rows and "compiled" in rows:
+        named["compiled/fused tokens/s"] = _ratio(rows["compiled"], rows["fused"])
     if "fused" in rows and "liger" in rows:
         named["fused/liger tokens/s"] = _ratio(rows["fused"], rows["liger"])
     return {"baseline": baseline, "host_bound_threshold": HOST_BOUND_THRESHOLD, "variants": rows, "ratios": named}
