@@ -44,6 +44,8 @@ Variants (train.py overrides they set):
   bf16-weights  kernels.mrope=fused, packing.mode=packed, train.master_weights=optimizer (the module computes on
            bf16 weights, the optimizer steps fp32 masters; compare with --variants fused,bf16-weights
            --baseline fused) — only without --launcher: DDP refuses it and FSDP2 already computes on bf16 weights
+  compiled  kernels.mrope=fused, packing.mode=packed, train.compile=true (regional torch.compile; the compile
+           falls in the first, untimed step)
   Every variant but bf16-weights sets train.master_weights=module.
 """
 
@@ -77,12 +79,14 @@ VARIANT_OVERRIDES = {
     "liger": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
     "padded": {"kernels.mrope": "fused", "packing.mode": "padded", **FP32_MODULE},
     "bf16-weights": {"kernels.mrope": "fused", "packing.mode": "packed", "train.master_weights": "optimizer"},
+    "compiled": {"kernels.mrope": "fused", "packing.mode": "packed", "train.compile": "true", **FP32_MODULE},
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
     "kernels.mrope",
     "packing.mode",
     "train.master_weights",
+    "train.compile",
     "train.output_dir",
     "train.max_steps",
     "logging.group",
@@ -374,6 +378,8 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
         named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"][0], by_name["unfused"][0])
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
+    if "fused" in rows and "compiled" in rows:
+        named["compiled/fused tokens/s"] = _ratio(rows["compiled"], rows["fused"])
     if "fused" in rows and "liger" in rows:
         named["fused/liger tokens/s"] = _ratio(rows["fused"], rows["liger"])
     if "fused" in rows and "bf16-weights" in rows:

@@ -63,6 +63,9 @@ class TrainConfig:
     # to model.dtype at every use; "optimizer" = the module holds model.dtype weights and AdamW steps fp32 copies
     # (one process; a no-op for float32 and under FSDP2, which already does it; refused under DDP)
     master_weights: Literal["module", "optimizer"] = "module"
+    # Regional torch.compile: every decoder layer and ViT block compiled in place with dynamic shapes (inductor),
+    # Qwen3.5's Gated DeltaNet mixers left eager (training/compile.py); the first step carries the compile time
+    compile: bool = False
 
     def validate(self) -> None:
         if self.lr <= 0:

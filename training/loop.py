@@ -8,6 +8,7 @@ before anything is saved.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,7 +90,10 @@ def train(
     steps = Steps(accelerator, setup, tcfg)
     first_nonfinite_step = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0 = none yet; no sync
     for step in range(start_step + 1, tcfg.max_steps + 1):
+        started = time.perf_counter()
         result = steps.run()
+        if tcfg.compile and step == start_step + 1:
+            logger.emit(_first_compiled_step(step, result, started))
         logger.record_step(step, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
         nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
         first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
@@ -115,6 +119,16 @@ def train(
     if cfg.checkpoint.save_final:
         checkpointer.save(tcfg.max_steps, steps.state_dict(), dataclasses.asdict(timed))
     return timed
+
+
+def _first_compiled_step(step: int, result: StepResult, started: float) -> dict:
+    """The launch's first step with compiled blocks: its wall time (one sync, once) and the part of it dynamo and
+    inductor spent compiling (`compile_s`), for metrics.jsonl and the log. Later packs reuse the graphs."""
+    from torch._dynamo.utils import calculate_time_spent
+
+    result.loss_sum.item()
+    compile_s = calculate_time_spent().get("total_wall_time", 0.0)
+    return {"step": step, "first_step_s": time.perf_counter() - started, "compile_s": compile_s}
 
 
 def _llm_lr(optimizer: torch.optim.Optimizer) -> float:

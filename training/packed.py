@@ -23,13 +23,15 @@ Mechanism (the same on transformers 5.17 and 5.23):
 
 Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
 function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
-otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths.
+otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths. Inside a torch.compile trace
+(training/compile.py) the host-side lengths are never read, so a graph fits packs of any shape: the varlen call
+takes `cu_seqlens` and a symbolic `max_seqlen`, and the CPU / fp32 path becomes one SDPA call under a
+block-diagonal mask built from `cu_seqlens` on the device.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib.util
 import inspect
 import logging
@@ -77,12 +79,16 @@ class PackedSeqlens:
         return sum(self.sample_lengths)
 
 
-@functools.cache
 def _varlen_attn_takes_gqa() -> bool:
     """torch 2.13's varlen_attn shares kv heads itself (`enable_gqa`); 2.11's needs them repeated."""
-    from torch.nn.attention.varlen import varlen_attn
-
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # a torch without varlen_attn: the varlen path needs flash-attn
+        return False
     return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+_VARLEN_ATTN_TAKES_GQA = _varlen_attn_takes_gqa()  # read once here, not in every torch.compile trace
 
 
 def _varlen_kernel(
@@ -106,7 +112,7 @@ def _varlen_kernel(
 
     window = (-1, 0) if causal else (-1, -1)
     groups = query.shape[1] // key.shape[1]
-    if groups > 1 and not _varlen_attn_takes_gqa():
+    if groups > 1 and not _VARLEN_ATTN_TAKES_GQA:
         key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
         groups = 1
     extra = {"enable_gqa": True} if groups > 1 else {}
@@ -147,6 +153,27 @@ def _per_segment_sdpa(
     return torch.cat(outputs, dim=2)[0].transpose(0, 1)
 
 
+def _masked_sdpa(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, scaling: float, causal: bool
+) -> torch.Tensor:
+    """One SDPA call under a block-diagonal (and, if causal, lower-triangular) boolean mask built on the device
+    from `cu_seqlens`. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D).
+
+    The traced stand-in for `_per_segment_sdpa`: its graph depends on no host-side length, so packs of other
+    lengths and sample counts reuse it (torch.compile, training/compile.py). O(T²) mask: a CPU / fp32 path only.
+    """
+    tokens = torch.arange(query.shape[2], device=query.device)
+    # Boundaries at or before each token: the sample index + 1. No slice of cu_seqlens, whose size would then
+    # specialize the graph to packs of one sample or of several.
+    segment = (tokens[:, None] >= cu_seqlens.to(query.device)).sum(-1)
+    mask = segment[:, None] == segment[None, :]
+    if causal:
+        mask = mask & (tokens[:, None] >= tokens[None, :])
+    gqa = query.shape[1] != key.shape[1]
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    return out[0].transpose(0, 1)
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -182,7 +209,9 @@ def packed_attention_forward(
         causal, cu_seqlens, max_seqlen, lengths = False, vision_cu_seqlens, kwargs.get("max_length_q"), None
     else:
         causal, cu_seqlens, max_seqlen, lengths = True, pack.cu_seqlens, pack.max_seqlen, pack.sample_lengths
-        if pack.total_tokens != query.shape[2]:
+        # Under torch.compile the host lengths stay unread (packed_model_inputs checked them): reading them would
+        # specialize the graph to this pack's lengths and recompile for the next.
+        if not torch.compiler.is_compiling() and pack.total_tokens != query.shape[2]:
             raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens but the sequence has {query.shape[2]}.")
 
     half = varlen_dtype(query, key, value)
@@ -191,6 +220,8 @@ def packed_attention_forward(
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
         out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
+    elif torch.compiler.is_compiling():
+        out = _masked_sdpa(query, key, value, cu_seqlens, scaling, causal)
     else:
         if lengths is None:  # vision boundaries are a tensor; on this (CPU or fp32) path a host copy is cheap
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()

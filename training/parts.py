@@ -12,7 +12,7 @@ from torch import nn
 MERGER_NAMES = ("merger", "deepstack_merger_list")
 
 
-def _inner(model: nn.Module) -> nn.Module:
+def inner_model(model: nn.Module) -> nn.Module:
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "visual") or not hasattr(inner, "language_model"):
         raise ValueError(
@@ -24,19 +24,19 @@ def _inner(model: nn.Module) -> nn.Module:
 
 def vision_parts(model: nn.Module) -> list[nn.Module]:
     """The vision tower without its merger(s): patch embedding, position embedding, blocks."""
-    visual = _inner(model).visual
+    visual = inner_model(model).visual
     return [module for name, module in visual.named_children() if name not in MERGER_NAMES]
 
 
 def merger_parts(model: nn.Module) -> list[nn.Module]:
     """The patch merger(s) that project ViT features into the LLM's width."""
-    visual = _inner(model).visual
+    visual = inner_model(model).visual
     return [module for name, module in visual.named_children() if name in MERGER_NAMES]
 
 
 def llm_parts(model: nn.Module) -> list[nn.Module]:
     """The language model (embeddings, decoder layers, final norm) and the LM head."""
-    return [_inner(model).language_model, model.lm_head]
+    return [inner_model(model).language_model, model.lm_head]
 
 
 def part_modules(model: nn.Module) -> dict[str, list[nn.Module]]:
@@ -57,7 +57,7 @@ def enable_gradient_checkpointing(model: nn.Module, llm: bool, vision: bool) -> 
     Non-reentrant checkpointing: it needs no `enable_input_require_grads` hack when embeddings are frozen and works
     with FSDP2 and torch.compile.
     """
-    inner = _inner(model)
+    inner = inner_model(model)
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
     if llm:
         inner.language_model.gradient_checkpointing_enable(**kwargs)

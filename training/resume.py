@@ -20,7 +20,8 @@ from training.config import Config
 log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"
 # Keys whose change leaves every step's math as it was: where the run writes and logs, how often it checkpoints or
-# evaluates, how far it goes (train.max_steps: the schedule then stretches to the new end), how data is fetched.
+# evaluates, how far it goes (train.max_steps: the schedule then stretches to the new end), how data is fetched,
+# what is recomputed or compiled (train.compile: the same math, only inductor's fused rounding differs).
 SAFE_TO_CHANGE = (
     "logging.",
     "checkpoint.",
@@ -33,6 +34,7 @@ SAFE_TO_CHANGE = (
     "data.cache_dir",
     "model.gradient_checkpointing_llm",
     "model.gradient_checkpointing_vision",
+    "train.compile",
 )
 
 

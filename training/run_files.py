@@ -3,7 +3,8 @@
     <train.output_dir>/
       config.yaml      the resolved recipe of the first launch (training/resume.py adds config.resume-step<N>.yaml)
       metrics.jsonl    one JSON object per line: a training interval {"loss", "grad_norm", rates…, "step", "lr"}
-                       or an evaluation {"step", "eval_loss"}; strict JSON (non-finite floats are null)
+                       or an evaluation {"step", "eval_loss"}, or with train.compile the launch's first step
+                       {"step", "first_step_s", "compile_s"}; strict JSON (non-finite floats are null)
       summary.json     the whole run: losses, eval loss, mean rates over the timed steps, paths (`metrics.summarize`)
       checkpoints/, final/, wandb/
 

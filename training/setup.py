@@ -22,6 +22,7 @@ from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
 from training import distributed, master_weights, metrics, optim, parts, step
+from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
 from training.packed import enable_packed_forward
@@ -75,7 +76,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing and gradient
     checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
     `model.dtype`), or with `train.master_weights=optimizer` the module is cast to `model.dtype` and the optimizer
-    steps fp32 copies (training/master_weights.py).
+    steps fp32 copies (training/master_weights.py). With `train.compile` its blocks are then compiled in place
+    (training/compile.py), before accelerate wraps them.
     """
     keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)
     set_seed(cfg.train.seed)
@@ -96,6 +98,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     parts.enable_gradient_checkpointing(
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
+    if cfg.train.compile:
+        compile_blocks(model)
     log.info(
         "rope: %s; trainable parameters per part: %s",
         "fused (Triton)" if fused_rope else "reference (fused ops, PyTorch math)" if rope else "unfused",

@@ -1,0 +1,312 @@
+"""Regional torch.compile (training/compile.py): compiled blocks compute what eager blocks compute, the attention
+blocks trace as one graph each, and packs of new lengths and sample counts reuse the first pack's graphs.
+
+Backend aot_eager (dynamo + AOTAutograd, no inductor codegen): it checks tracing, dynamic shapes and the joint
+forward/backward graph on CPU in seconds; inductor's own codegen is exercised by the GPU run.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+import train
+from mrope_kernels.patch import patch_model
+from training import compile as regional
+from training import gated_delta, packed, parts
+from training.config import load_config
+from training.packed import enable_packed_forward, packed_model_inputs
+from training.run_files import read_metrics
+from verification.packing_check import SampleSpec, label_loss, pack_samples
+
+# Four packs, each of another length and sample count (1 to 5 samples), images at the start, middle and end.
+PACKS = (
+    (SampleSpec(0, ((4, 4),), text_after=9), SampleSpec(20), SampleSpec(3)),
+    (SampleSpec(30), SampleSpec(3, ((2, 4), (4, 2)), text_between=3), SampleSpec(5), SampleSpec(7)),
+    (SampleSpec(50, ((4, 4),), text_after=4),),
+    (SampleSpec(12), SampleSpec(9), SampleSpec(2, ((4, 4),), text_after=0), SampleSpec(8), SampleSpec(11)),
+)
+TOLERANCE = 1e-5  # fp32: the masked SDPA that compiled CPU attention runs sums in another order than per segment
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Every test compiles from scratch (dynamo's caches hang off the shared layer code, not off one model) and
+    leaves dynamo's settings as it found them (compile_blocks raises the recompile limit)."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._dynamo.config.patch(
+        recompile_limit=torch._dynamo.config.recompile_limit,
+        fail_on_recompile_limit_hit=torch._dynamo.config.fail_on_recompile_limit_hit,
+    ):
+        yield
+    torch._dynamo.reset()
+
+
+def packed_model(tiny_model, family: str, checkpointing: bool = False) -> torch.nn.Module:
+    """A tiny model as training prepares it: fused rope, packed forward, optionally gradient checkpointing."""
+    model = tiny_model(family)
+    patch_model(model)
+    enable_packed_forward(model)
+    parts.enable_gradient_checkpointing(model, llm=checkpointing, vision=checkpointing)
+    return model.train()
+
+
+def loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean label loss of one pack and every parameter's gradient (gradients reset first)."""
+    model.zero_grad(set_to_none=True)
+    logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
+    loss = label_loss(logits, batch["shift_labels"], int((batch["shift_labels"] != -100).sum()))
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compiled_graphs(counter: CompileCounterWithBackend) -> int:
+    """Graphs the backend compiled, less the empty ones dynamo hands it when it restarts a trace (e.g. to
+    specialize a float it first traced as a tensor)."""
+    return sum(any(node.op == "call_function" for node in graph.graph.nodes) for graph in counter.graphs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
+    error = (actual - expected).abs().max().item()
+    assert error <= TOLERANCE * max(1.0, expected.abs().max().item()), f"{name}: max error {error:.3g}"
+
+
+@pytest.mark.parametrize(("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen3_5", False), ("qwen3_5", True)])
+def test_compiled_blocks_equal_eager(tiny_model, tiny_samples, family, checkpointing):
+    """Loss and every parameter gradient of compiled blocks equal the eager model's (fp32) over packs of different
+    shapes: Qwen2.5-VL's windowed and full-attention ViT blocks, Qwen3.5's decoder layers around eager Gated DeltaNet
+    mixers, and with gradient checkpointing replaying compiled layers."""
+    eager = packed_model(tiny_model, family, checkpointing)
+    compiled = packed_model(tiny_model, family, checkpointing)
+    regional.compile_blocks(compiled, backend="aot_eager")
+    for seed, specs in enumerate(PACKS[:2]):
+        batch = pack_samples(eager, tiny_samples(eager, specs, seed=seed))
+        loss, grads = loss_and_grads(compiled, batch)
+        expected_loss, expected_grads = loss_and_grads(eager, batch)
+        assert_close(loss, expected_loss, "loss")
+        assert grads.keys() == expected_grads.keys()
+        for name, grad in grads.items():
+            assert_close(grad, expected_grads[name], name)
+
+
+def _first_call_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: dict) -> tuple[tuple, dict]:
+    """The positional and keyword arguments `block` receives in an eager forward of `batch`."""
+    seen = []
+    handle = block.register_forward_pre_hook(lambda _, args, kwargs: seen.append((args, kwargs)), with_kwargs=True)
+    with torch.no_grad():
+        model(**packed_model_inputs(model, batch), use_cache=False)
+    handle.remove()
+    return seen[0]
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("part", ["text", "vision"])
+def test_attention_block_is_one_graph_and_equals_eager(tiny_model, tiny_samples, family, part):
+    """A text decoder layer with full attention (fused rope custom op, packed attention, MLP) and a ViT block trace
+    with zero graph breaks; compiled with fullgraph=True, forward and backward equal eager (fp32)."""
+    model = packed_model(tiny_model, family)
+    blocks = model.model.language_model.layers if part == "text" else model.model.visual.blocks
+    block = next(b for b in blocks if not gated_delta.gated_delta_layers(b))
+    batch = pack_samples(model, tiny_samples(model, PACKS[0]))
+    args, kwargs = _first_call_inputs(model, block, batch)
+    hidden = args[0].detach().requires_grad_()
+
+    explanation = torch._dynamo.explain(block)(hidden, *args[1:], **kwargs)
+    assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+
+    compiled = torch.compile(block, backend="aot_eager", dynamic=True, fullgraph=True)
+    outputs = []
+    for run in (compiled, block):
+        hidden.grad = None
+        block.zero_grad(set_to_none=True)
+        out = run(hidden, *args[1:], **kwargs)
+        out = out[0] if isinstance(out, tuple) else out
+        out.square().sum().backward()
+        outputs.append((out.detach(), hidden.grad.clone(), [p.grad.clone() for p in block.parameters()]))
+    (out, grad_in, grads), (expected_out, expected_grad_in, expected_grads) = outputs
+    assert_close(out, expected_out, "output")
+    assert_close(grad_in, expected_grad_in, "input gradient")
+    for grad, expected in zip(grads, expected_grads, strict=True):
+        assert_close(grad, expected, "parameter gradient")
+
+
+def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_samples):
+    """A Qwen3.5 linear-attention decoder layer compiles around its Gated DeltaNet mixer: exactly one graph break,
+    the `torch.compiler.disable` that keeps the mixer eager."""
+    model = packed_model(tiny_model, "qwen3_5")
+    regional.compile_blocks(model, backend="aot_eager")
+    layer = next(b for b in model.model.language_model.layers if gated_delta.gated_delta_layers(b))
+    batch = pack_samples(model, tiny_samples(model, PACKS[0]))
+    args, kwargs = _first_call_inputs(model, layer, batch)
+    explanation = torch._dynamo.explain(layer._call_impl)(*args, **kwargs)
+    assert explanation.graph_break_count == 1
+    assert "Gated DeltaNet runs eagerly" in str(explanation.break_reasons[0])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_packs_of_new_shapes_reuse_the_first_graphs(tiny_model, tiny_samples, family):
+    """After the first pack (and gradient checkpointing on), packs of other lengths and sample counts compile
+    nothing new: any recompile is an error. The first pack compiles at most two graphs per kind of block (text
+    layer, full-attention and windowed ViT block, the pieces around a Gated DeltaNet mixer)."""
+    model = packed_model(tiny_model, family, checkpointing=True)
+    counter = CompileCounterWithBackend("aot_eager")
+    regional.compile_blocks(model, backend=counter)
+    batches = [pack_samples(model, tiny_samples(model, specs, seed=seed)) for seed, specs in enumerate(PACKS)]
+    assert len({b["input_ids"].shape[1] for b in batches}) == len({len(b["sample_lengths"]) for b in batches}) == 4
+    loss_and_grads(model, batches[0])
+    first_pack_graphs = compiled_graphs(counter)
+    kinds = {"qwen2_5_vl": 3, "qwen3_5": 4}[family]  # text, ViT (+ windowed ViT / + before and after the mixer)
+    assert 0 < first_pack_graphs <= 2 * kinds
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for batch in batches[1:]:
+            loss_and_grads(model, batch)
+    assert compiled_graphs(counter) == first_pack_graphs
+
+
+def test_uncompile_restores_eager_blocks(tiny_model):
+    """`uncompile_blocks` undoes `compile_blocks`: no block keeps a compiled call, the Gated DeltaNet mixers get
+    the packed forward back; compiling twice is refused."""
+    model = packed_model(tiny_model, "qwen3_5")
+    mixers = gated_delta.gated_delta_layers(model)
+    packed_forwards = [m.forward for m in mixers]
+    report = regional.compile_blocks(model, backend="aot_eager")
+    assert len(report.fullgraph) + len(report.with_eager_mixer) == len(model.model.language_model.layers) + len(
+        model.model.visual.blocks
+    )
+    assert len(report.eager_mixers) == len(mixers)
+    with pytest.raises(ValueError, match="already compiled"):
+        regional.compile_blocks(model, backend="aot_eager")
+    regional.uncompile_blocks(model)
+    assert not any("_compiled_call_impl" in m.__dict__ for m in model.modules())
+    assert [m.forward for m in mixers] == packed_forwards
+
+
+def test_compile_is_off_by_default_in_every_recipe():
+    """train.compile is opt-in: the default and every recipe leave the model eager."""
+    from pathlib import Path
+
+    recipes = sorted(Path("recipes").glob("*.yaml"))
+    assert recipes
+    assert not any(load_config(str(path)).train.compile for path in recipes)
+
+
+def test_training_run_with_compile_logs_the_first_step(tmp_path, monkeypatch):
+    """train.compile=true compiles the blocks before accelerate wraps the model, trains, and writes the first
+    step's wall time and compile time to metrics.jsonl once."""
+    from accelerate.state import AcceleratorState
+
+    compiled = []
+
+    def compile_with_aot_eager(model):
+        compiled.append(regional.compile_blocks(model, backend="aot_eager"))
+
+    monkeypatch.setattr("training.setup.compile_blocks", compile_with_aot_eager)
+    args = [
+        "--config",
+        "recipes/tiny-qwen2_5_vl.yaml",
+        f"train.output_dir={tmp_path / 'run'}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+        "data.num_samples=16",
+        "packing.max_tokens=256",
+        "kernels.mrope=unfused",
+        "train.max_steps=2",
+        "train.warmup_steps=1",
+        "train.compile=true",
+        "checkpoint.save_final=false",
+        "checkpoint.export=false",
+        "logging.report_to=none",
+        "logging.progress_bar=false",
+        "logging.every_steps=1",
+        "logging.timing_warmup_steps=0",
+    ]
+    try:
+        train.main(args)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert len(compiled) == 1 and compiled[0].fullgraph
+    first = [r for r in read_metrics(tmp_path / "run") if "first_step_s" in r]
+    assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
+
+
+def _segments(cu_seqlens: torch.Tensor) -> list[int]:
+    return (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+
+def _varlen_attn_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, scale=None, *_, **kw):
+    """CPU stand-in for torch's CUDA-only varlen kernel: one SDPA per segment. (T,H,D) → out, lse, rng state."""
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.cat(
+        [
+            F.scaled_dot_product_attention(
+                q.transpose(0, 1),
+                k.transpose(0, 1),
+                v.transpose(0, 1),
+                is_causal=is_causal,
+                scale=scale,
+                enable_gqa=gqa,
+            ).transpose(0, 1)
+            for q, k, v in zip(*(t.split(_segments(cu_seq_q)) for t in (query, key, value)))
+        ]
+    )
+    lse = torch.zeros(query.shape[1], query.shape[0], dtype=torch.float32)
+    return out, lse, torch.zeros(2, dtype=torch.uint64)
+
+
+def _varlen_attn_backward_on_cpu(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    lse,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    is_causal,
+    rng_state,
+    scale=None,
+    window_size=None,
+):
+    with torch.enable_grad():
+        inputs = [t.detach().requires_grad_() for t in (query, key, value)]
+        recomputed, _, _ = _varlen_attn_on_cpu(*inputs, cu_seq_q, cu_seq_k, max_q, max_k, is_causal, scale)
+        return torch.autograd.grad(recomputed, inputs, grad_out)
+
+
+@pytest.fixture
+def varlen_path_on_cpu(monkeypatch):
+    """The CUDA attention path (torch's varlen_attn custom op, bf16 under autocast) taken on the CPU, its kernels
+    replaced by per-segment SDPA stand-ins registered for this test process."""
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_attn_on_cpu)
+    torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _varlen_attn_backward_on_cpu)
+    monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(packed, "_HAS_FLASH_ATTN", False)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("part", ["text", "vision"])
+def test_varlen_attention_path_is_one_graph_for_every_pack(tiny_model, tiny_samples, varlen_path_on_cpu, family, part):
+    """The GPU attention path (torch.nn.attention.varlen under bf16 autocast) traces with zero graph breaks in a text
+    decoder layer and a ViT block; a second pack of another length, sample count and longest sample reuses the graph
+    (max_seqlen a symbolic int) and compiled equals eager."""
+    model = packed_model(tiny_model, family)
+    layer = (model.model.language_model.layers if part == "text" else model.model.visual.blocks)[1]
+    batches = [pack_samples(model, tiny_samples(model, specs, seed=seed)) for seed, specs in enumerate(PACKS[:2])]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inputs = [_first_call_inputs(model, layer, batch) for batch in batches]
+        expected = [layer(*args, **kwargs) for args, kwargs in inputs]
+        explanation = torch._dynamo.explain(layer)(*inputs[0][0], **inputs[0][1])
+        assert (explanation.graph_count, explanation.graph_break_count) == (1, 0), explanation.break_reasons
+        torch._dynamo.reset()
+        counter = CompileCounterWithBackend("aot_eager")
+        regional.compile_blocks(model, backend=counter)
+        outputs = [layer(*args, **kwargs) for args, kwargs in inputs[:1]]
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            outputs += [layer(*args, **kwargs) for args, kwargs in inputs[1:]]
+    assert compiled_graphs(counter) == 1
+    for out, reference in zip(outputs, expected, strict=True):
+        out, reference = (o[0] if isinstance(o, tuple) else o for o in (out, reference))
+        assert (out.float() - reference.float()).abs().max() <= 1e-2 * reference.float().abs().max()

@@ -1,0 +1,128 @@
+"""Regional torch.compile (torchtitan's pattern): each text decoder layer and each ViT block compiled in place.
+
+One compiled region per block rather than one whole-model graph: every layer of a stack shares its code, so dynamo
+traces one layer and reuses the code for the others (compile time grows with the number of distinct blocks, not
+with depth), and the model's own Python — vision/text merge, deepstack, position bookkeeping, the loss — stays eager.
+Inside a block inductor fuses the elementwise work around the matmuls: RMSNorm, SwiGLU, the residual adds.
+
+Dynamic shapes: a pack's token count, sample count and longest sample change every step, so blocks compile with
+`dynamic=True` (sizes that meet a parameter's, like the hidden width, specialize to it; the token axis, the
+number of boundaries and `max_seqlen` stay symbolic), and the packed attention reads no host-side sample length
+while compiling (training/packed.py). Packs of any shape then reuse the first graph.
+
+What is compiled, and with `fullgraph=True` (a graph break is an error, not a silent slowdown):
+- every decoder layer of the language model: attention, the fused rope custom op (`mrope_kernels::rope`), the
+  packed attention (varlen kernel on CUDA, one masked SDPA call elsewhere), MLP or MoE block, norms, residuals;
+- every ViT block (Qwen2.5-VL's windowed and full-attention blocks alike: they differ only in the boundaries
+  they receive).
+Excluded: Qwen3.5's Gated DeltaNet mixers run eagerly (`torch.compiler.disable`). Their packed forward splits on
+host lengths (torch path) or calls fla's Triton autotuned kernels, and the torch delta rule loops over chunks:
+traced, each would recompile for every pack. Their decoder layers compile with `fullgraph=False`, so the norms,
+residuals and MLP around the mixer still compile (two graphs per such layer). Also eager: embeddings, patch
+embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
+
+Compilation happens lazily, at the first forward of each block: the first training step carries it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from training import gated_delta
+from training.parts import inner_model
+
+log = logging.getLogger(__name__)
+
+_STATE_ATTR = "_regional_compile"
+# Without duck shaping every dynamic size gets its own symbol: with it, sizes equal by chance in the first pack
+# (a sample count and a position count, say) are assumed equal, and the next pack recompiles.
+_DISTINCT_SYMBOLS = torch.fx.experimental._config.patch(use_duck_shape=False)
+# Every block's call is one code object (transformers' checkpointing wrapper), so dynamo's per-code recompile limit
+# (8) counts the variants of all blocks together: text layer, ViT block, windowed ViT block, a first block whose
+# input is a view, each in training and in eval (grad mode). Bounded (pack shapes add none), but more than 8.
+RECOMPILE_LIMIT = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileReport:
+    """What `compile_blocks` compiled: module paths per kind, and the Gated DeltaNet mixers left eager."""
+
+    fullgraph: tuple[str, ...]  # blocks compiled as one graph each
+    with_eager_mixer: tuple[str, ...]  # decoder layers compiled around an eager Gated DeltaNet mixer
+    eager_mixers: tuple[str, ...]
+    dynamo_config: dict  # the dynamo settings compile_blocks changed, as they were before
+
+    def __str__(self) -> str:
+        return (
+            f"regional compile: {len(self.fullgraph)} blocks fullgraph, {len(self.with_eager_mixer)} decoder layers "
+            f"around {len(self.eager_mixers)} eager Gated DeltaNet mixers; compiles at the first step"
+        )
+
+
+def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> CompileReport:
+    """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
+    `model.model.visual.blocks` in place (as `nn.Module.compile` does, with dynamic shapes); call it after the rope
+    patch, the packed forward, freezing and gradient checkpointing, before accelerate wraps the model.
+
+    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). Parameters, buffers and state-dict keys
+    are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting it an error. Raises
+    ValueError if the model is already compiled or has no such blocks. Undo with `uncompile_blocks(model)`.
+    """
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise ValueError("this model's blocks are already compiled.")
+    inner = inner_model(model)
+    named = [
+        ("model.language_model.layers", inner.language_model, "layers"),
+        ("model.visual.blocks", inner.visual, "blocks"),
+    ]
+    dynamo_config = {"recompile_limit": torch._dynamo.config.recompile_limit}
+    dynamo_config["fail_on_recompile_limit_hit"] = torch._dynamo.config.fail_on_recompile_limit_hit
+    fullgraph, with_mixer, mixers = [], [], []
+    for prefix, parent, attr in named:
+        blocks = getattr(parent, attr, None)
+        if not isinstance(blocks, nn.ModuleList) or not len(blocks):
+            raise ValueError(f"{type(model).__name__} has no {prefix} to compile.")
+        for index, block in enumerate(blocks):
+            path = f"{prefix}.{index}"
+            block_mixers = [
+                (name, m) for name, m in block.named_modules() if m in gated_delta.gated_delta_layers(block)
+            ]
+            for name, mixer in block_mixers:
+                # Keep the instance forward the packed forward installed (or the class's): uncompile restores it.
+                mixer._forward_before_compile = mixer.__dict__.get("forward")
+                mixer.forward = torch.compiler.disable(mixer.forward, reason="Gated DeltaNet runs eagerly")
+                mixers.append(f"{path}.{name}")
+            compiled = torch.compile(block._call_impl, backend=backend, dynamic=True, fullgraph=not block_mixers)
+            block._compiled_call_impl = _DISTINCT_SYMBOLS(compiled)
+            (with_mixer if block_mixers else fullgraph).append(path)
+    # Past the limit dynamo would silently run the block eagerly: make that an error instead.
+    torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, dynamo_config["recompile_limit"])
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+    report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
+    setattr(model, _STATE_ATTR, report)
+    log.info("%s", report)
+    return report
+
+
+def uncompile_blocks(model: nn.Module) -> None:
+    """Undo `compile_blocks`: every block runs eagerly again (the Gated DeltaNet mixers' forwards restored)."""
+    report: CompileReport | None = getattr(model, _STATE_ATTR, None)
+    if report is None:
+        raise ValueError("this model's blocks are not compiled.")
+    for path in (*report.fullgraph, *report.with_eager_mixer):
+        del model.get_submodule(path)._compiled_call_impl
+    for path in report.eager_mixers:
+        mixer = model.get_submodule(path)
+        previous = mixer.__dict__.pop("_forward_before_compile")
+        if previous is None:
+            del mixer.forward
+        else:
+            mixer.forward = previous
+    for name, value in report.dynamo_config.items():
+        setattr(torch._dynamo.config, name, value)
+    setattr(model, _STATE_ATTR, None)
