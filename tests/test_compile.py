@@ -5,6 +5,12 @@ Backend aot_eager (dynamo + AOTAutograd, no inductor codegen): it checks tracing
 forward/backward graph on CPU in seconds; inductor's own codegen is exercised by the GPU run.
 """
 
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -13,6 +19,7 @@ from torch._dynamo.utils import counters
 
 import train
 from mrope_kernels.patch import patch_model
+from scripts.launch import run_logged
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
@@ -185,8 +192,6 @@ def test_uncompile_restores_eager_blocks(tiny_model):
 
 def test_compile_is_off_by_default_in_every_recipe():
     """train.compile is opt-in: the default and every recipe leave the model eager."""
-    from pathlib import Path
-
     recipes = sorted(Path("recipes").glob("*.yaml"))
     assert recipes
     assert not any(load_config(str(path)).train.compile for path in recipes)
@@ -310,3 +315,68 @@ def test_varlen_attention_path_is_one_graph_for_every_pack(tiny_model, tiny_samp
     for out, reference in zip(outputs, expected, strict=True):
         out, reference = (o[0] if isinstance(o, tuple) else o for o in (out, reference))
         assert (out.float() - reference.float()).abs().max() <= 1e-2 * reference.float().abs().max()
+
+
+FSDP2_WORKER = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch._dynamo.testing import CompileCounterWithBackend
+from conftest import _build_tiny_model, _build_tiny_samples
+from test_compile import PACKS, compiled_graphs, loss_and_grads
+from training import compile as regional
+from training.packed import enable_packed_forward
+from verification.packing_check import pack_samples
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def build():
+    model = _build_tiny_model("qwen2_5_vl")
+    enable_packed_forward(model)
+    return model.train()
+
+reference, sharded = build(), build()
+counter = CompileCounterWithBackend("aot_eager")
+regional.compile_blocks(sharded, backend=counter)
+for unit in [*sharded.model.language_model.layers, *sharded.model.visual.blocks]:
+    fully_shard(unit)
+fully_shard(sharded)
+worst, graphs = 0.0, []
+for step in range(3):  # the ranks' packs differ from each other and from step to step
+    batch = pack_samples(reference, _build_tiny_samples(reference, PACKS[(step + rank) % 4], seed=step + rank))
+    _, expected = loss_and_grads(reference, batch)
+    for grad in expected.values():
+        dist.all_reduce(grad)
+        grad /= 2  # FSDP averages over the 2 ranks
+    _, grads = loss_and_grads(sharded, batch)
+    for name, grad in grads.items():
+        error = (grad.full_tensor() - expected[name]).abs().max() / expected[name].abs().max().clamp(min=1e-12)
+        worst = max(worst, error.item())
+    graphs.append(compiled_graphs(counter))
+print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
+    """Compiled blocks sharded with FSDP2 (gloo, 2 ranks, packs of different shapes per rank and step): gradients
+    equal one unsharded eager model's, and steps after the first compile nothing new (FSDP2's parameters trace with
+    symbolic shapes)."""
+    worker, log = tmp_path / "worker.py", tmp_path / "fsdp2.log"
+    tests = Path(__file__).parent
+    worker.write_text(FSDP2_WORKER.format(root=str(tests.parent), tests=str(tests)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    outcome = run_logged(command, log, 600, env=env, new_session=True)
+    output = log.read_text()
+    assert outcome.code == 0, f"compiled FSDP2 steps failed or hung (exit {outcome.code}):\n{output[-3000:]}"
+    results = re.findall(r"RESULT rank=(\d) worst=(\S+) graphs=(\[[\d, ]*\])", output)
+    assert sorted(rank for rank, _, _ in results) == ["0", "1"]
+    for _, worst, graphs in results:
+        assert float(worst) < 1e-5
+        first, *later = json.loads(graphs)
+        assert first > 0 and all(g == first for g in later)
