@@ -2,8 +2,16 @@
 blocks trace as one graph each, and packs of new lengths and sample counts reuse the first pack's graphs.
 
 Backend aot_eager (dynamo + AOTAutograd, no inductor codegen): it checks tracing, dynamic shapes and the joint
-forward/backward graph on CPU in seconds; inductor's own codegen is exercised by the GPU run.
+forward/backward graph on CPU in seconds; inductor's own codegen is exercised by the GPU run. The fused rope runs
+its Triton kernels under the interpreter (conftest); the GPU attention path is traced on CPU stand-ins of torch's
+varlen kernels; FSDP2 runs over gloo.
 """
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +20,9 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import train
+from data.processing import IGNORE_INDEX
 from mrope_kernels.patch import patch_model
+from scripts.launch import run_logged
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
@@ -27,6 +37,7 @@ PACKS = (
     (SampleSpec(50, ((4, 4),), text_after=4),),
     (SampleSpec(12), SampleSpec(9), SampleSpec(2, ((4, 4),), text_after=0), SampleSpec(8), SampleSpec(11)),
 )
+ROOT = Path(__file__).resolve().parents[1]
 TOLERANCE = 1e-5  # fp32: the masked SDPA that compiled CPU attention runs sums in another order than per segment
 
 
@@ -57,7 +68,7 @@ def loss_and_grads(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, d
     """Mean label loss of one pack and every parameter's gradient (gradients reset first)."""
     model.zero_grad(set_to_none=True)
     logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
-    loss = label_loss(logits, batch["shift_labels"], int((batch["shift_labels"] != -100).sum()))
+    loss = label_loss(logits, batch["shift_labels"], int((batch["shift_labels"] != IGNORE_INDEX).sum()))
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
 
@@ -185,16 +196,16 @@ def test_uncompile_restores_eager_blocks(tiny_model):
 
 def test_compile_is_off_by_default_in_every_recipe():
     """train.compile is opt-in: the default and every recipe leave the model eager."""
-    from pathlib import Path
-
-    recipes = sorted(Path("recipes").glob("*.yaml"))
+    recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
     assert not any(load_config(str(path)).train.compile for path in recipes)
 
 
-def test_training_run_with_compile_logs_the_first_step(tmp_path, monkeypatch):
-    """train.compile=true compiles the blocks before accelerate wraps the model, trains, and writes the first
-    step's wall time and compile time to metrics.jsonl once."""
+@pytest.mark.parametrize("enabled", [True, False])
+def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path, monkeypatch, enabled):
+    """train.compile=true compiles the blocks once, before accelerate wraps the model, trains, and writes the first
+    step's wall and compile time to metrics.jsonl once; train.compile=false (the default) compiles nothing and
+    writes no such record."""
     from accelerate.state import AcceleratorState
 
     compiled = []
@@ -205,7 +216,7 @@ def test_training_run_with_compile_logs_the_first_step(tmp_path, monkeypatch):
     monkeypatch.setattr("training.setup.compile_blocks", compile_with_aot_eager)
     args = [
         "--config",
-        "recipes/tiny-qwen2_5_vl.yaml",
+        str(ROOT / "recipes/tiny-qwen2_5_vl.yaml"),
         f"train.output_dir={tmp_path / 'run'}",
         f"data.cache_dir={tmp_path / 'cache'}",
         "data.num_samples=16",
@@ -213,7 +224,7 @@ def test_training_run_with_compile_logs_the_first_step(tmp_path, monkeypatch):
         "kernels.mrope=unfused",
         "train.max_steps=2",
         "train.warmup_steps=1",
-        "train.compile=true",
+        f"train.compile={str(enabled).lower()}",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
         "logging.report_to=none",
@@ -225,9 +236,14 @@ def test_training_run_with_compile_logs_the_first_step(tmp_path, monkeypatch):
         train.main(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-    assert len(compiled) == 1 and compiled[0].fullgraph
-    first = [r for r in read_metrics(tmp_path / "run") if "first_step_s" in r]
-    assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
+    records = read_metrics(tmp_path / "run")
+    first = [r for r in records if "first_step_s" in r]
+    assert len([r for r in records if "loss" in r]) == 2
+    if enabled:
+        assert len(compiled) == 1 and compiled[0].fullgraph
+        assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
+    else:
+        assert compiled == first == []
 
 
 def _segments(cu_seqlens: torch.Tensor) -> list[int]:
@@ -310,3 +326,68 @@ def test_varlen_attention_path_is_one_graph_for_every_pack(tiny_model, tiny_samp
     for out, reference in zip(outputs, expected, strict=True):
         out, reference = (o[0] if isinstance(o, tuple) else o for o in (out, reference))
         assert (out.float() - reference.float()).abs().max() <= 1e-2 * reference.float().abs().max()
+
+
+FSDP2_WORKER = """
+import sys
+sys.path[:0] = [{root!r}, {tests!r}]
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch._dynamo.testing import CompileCounterWithBackend
+from conftest import _build_tiny_model, _build_tiny_samples
+from test_compile import PACKS, compiled_graphs, loss_and_grads
+from training import compile as regional
+from training.packed import enable_packed_forward
+from verification.packing_check import pack_samples
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+
+def build():
+    model = _build_tiny_model("qwen2_5_vl")
+    enable_packed_forward(model)
+    return model.train()
+
+reference, sharded = build(), build()
+counter = CompileCounterWithBackend("aot_eager")
+regional.compile_blocks(sharded, backend=counter)
+for unit in [*sharded.model.language_model.layers, *sharded.model.visual.blocks]:
+    fully_shard(unit)
+fully_shard(sharded)
+worst, graphs = 0.0, []
+for step in range(3):  # the ranks' packs differ from each other and from step to step
+    batch = pack_samples(reference, _build_tiny_samples(reference, PACKS[(step + rank) % 4], seed=step + rank))
+    _, expected = loss_and_grads(reference, batch)
+    for grad in expected.values():
+        dist.all_reduce(grad)
+        grad /= 2  # FSDP averages over the 2 ranks
+    _, grads = loss_and_grads(sharded, batch)
+    for name, grad in grads.items():
+        error = (grad.full_tensor() - expected[name]).abs().max() / expected[name].abs().max().clamp(min=1e-12)
+        worst = max(worst, error.item())
+    graphs.append(compiled_graphs(counter))
+print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
+    """Compiled blocks sharded with FSDP2 (gloo, 2 ranks, packs of different shapes per rank and step): gradients
+    equal one unsharded eager model's, and steps after the first compile nothing new (FSDP2's parameters trace with
+    symbolic shapes)."""
+    worker, log = tmp_path / "worker.py", tmp_path / "fsdp2.log"
+    tests = Path(__file__).parent
+    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), tests=str(tests)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    outcome = run_logged(command, log, 600, env=env, new_session=True)
+    output = log.read_text()
+    assert outcome.code == 0, f"compiled FSDP2 steps failed or hung (exit {outcome.code}):\n{output[-3000:]}"
+    results = re.findall(r"RESULT rank=(\d) worst=(\S+) graphs=(\[[\d, ]*\])", output)
+    assert sorted(rank for rank, _, _ in results) == ["0", "1"]
+    for _, worst, graphs in results:
+        assert float(worst) < 1e-5
+        first, *later = json.loads(graphs)
+        assert first > 0 and all(g == first for g in later)

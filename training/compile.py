@@ -3,7 +3,10 @@
 One compiled region per block rather than one whole-model graph: every layer of a stack shares its code, so dynamo
 traces one layer and reuses the code for the others (compile time grows with the number of distinct blocks, not
 with depth), and the model's own Python — vision/text merge, deepstack, position bookkeeping, the loss — stays eager.
-Inside a block inductor fuses the elementwise work around the matmuls: RMSNorm, SwiGLU, the residual adds.
+Inside a block inductor fuses the elementwise work around the matmuls (checked on a Qwen2.5-VL text layer: five
+fused kernels, RMSNorm, residual add + RMSNorm, SwiGLU, the last residual add, the CPU path's mask), so no
+hand-written kernel is needed; only a layer's last residual add and the next layer's first RMSNorm stay apart, in
+two regions.
 
 Dynamic shapes: a pack's token count, sample count and longest sample change every step, so blocks compile with
 `dynamic=True` (sizes that meet a parameter's, like the hidden width, specialize to it; the token axis, the

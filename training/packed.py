@@ -136,6 +136,14 @@ def varlen_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) ->
     return query.dtype if same and query.dtype in _VARLEN_DTYPES else None
 
 
+def _shares_kv_heads(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """Whether q (…, H, T, D) has more heads than k (GQA). A Python bool also where a trace holds the head counts
+    as symbols (FSDP2's parameters under torch.compile): SDPA's `enable_gqa` takes no symbolic bool."""
+    if query.shape[1] != key.shape[1]:  # noqa: SIM103 (a branch, so a trace decides it and guards on it)
+        return True
+    return False
+
+
 def _per_segment_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -145,7 +153,7 @@ def _per_segment_sdpa(
     causal: bool,
 ) -> torch.Tensor:
     """One SDPA call per segment. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D)."""
-    gqa = query.shape[1] != key.shape[1]
+    gqa = _shares_kv_heads(query, key)
     outputs = [
         F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scaling, enable_gqa=gqa)
         for q, k, v in zip(*(t.split(list(lengths), dim=2) for t in (query, key, value)))
@@ -169,7 +177,7 @@ def _masked_sdpa(
     mask = segment[:, None] == segment[None, :]
     if causal:
         mask = mask & (tokens[:, None] >= tokens[None, :])
-    gqa = query.shape[1] != key.shape[1]
+    gqa = _shares_kv_heads(query, key)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out[0].transpose(0, 1)
 
