@@ -10,6 +10,7 @@ Accelerator to know) before the data pipeline logs its statistics:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -18,13 +19,14 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
+from core.config_tree import ConfigError
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import distributed, metrics, optim, parts, step
+from training import context_parallel, distributed, metrics, optim, parts, step
 from training.config import Config
 from training.modeling import build_model
-from training.packed import enable_packed_forward
+from training.packed import PACK_KWARG, enable_packed_forward
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +65,9 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible.
 
     The model keeps fp32 master weights (autocast computes in `model.dtype`) and gets the recipe's rope kernels,
-    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters.
+    the packed forward, part freezing and gradient checkpointing before the optimizer sees its parameters. With
+    `parallel.context` = CP > 1, the loaders deal packs by data-parallel rank (rank // CP) and shard each pack over
+    the CP ranks of a context group (training/context_parallel.py).
     """
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
@@ -76,7 +80,20 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             cfg.kernels.mrope,
             accelerator.device.type,
         )
-    enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
+    gated_delta_backend = enable_packed_forward(
+        model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype)
+    )
+    cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
+    if cp.context_size > 1:
+        if gated_delta_backend is not None:
+            raise ConfigError(
+                f"parallel.context={cp.context_size}: {model.config.model_type} has Gated DeltaNet layers, whose "
+                "recurrent and convolution state would have to pass from context rank to context rank along each "
+                "sample; context parallelism supports attention-only families (qwen2_vl, qwen2_5_vl, qwen3_vl, "
+                "qwen3_vl_moe). Use parallel.context=1."
+            )
+        group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
+        context_parallel.enable_context_parallel(model, group, PACK_KWARG)
     parts.freeze(
         model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
     )
@@ -90,14 +107,24 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     )
 
     processor = load_processor(cfg.model, cfg.data)
+    cp_shard = None
+    if cp.context_size > 1:
+        pad = processor.tokenizer.pad_token_id
+        cp_shard = functools.partial(
+            context_parallel.shard_pack,
+            context_rank=cp.context_rank,
+            context_size=cp.context_size,
+            pad_token_id=pad if pad is not None else 0,
+        )
     train_loader, eval_loader, _ = build_data(
         cfg.data,
         cfg.packing,
         processor,
         model.config,
-        accelerator.process_index,
-        accelerator.num_processes,
+        cp.data_rank,
+        cp.data_size,
         cfg.train.grad_accum_steps,
+        shard=cp_shard,
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)
