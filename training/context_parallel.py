@@ -68,6 +68,18 @@ def layout(rank: int, world_size: int, context_size: int) -> ContextLayout:
     return ContextLayout(rank // context_size, world_size // context_size, rank % context_size, context_size)
 
 
+def check_supported(model: torch.nn.Module, context_size: int, gated_delta_backend: str | None) -> None:
+    """Raise ConfigError for a model context parallelism cannot train exactly: one with Gated DeltaNet layers
+    (`gated_delta_backend` is what training.packed.enable_packed_forward returned: None when it has none)."""
+    if context_size > 1 and gated_delta_backend is not None:
+        raise ConfigError(
+            f"parallel.context={context_size}: {model.config.model_type} has Gated DeltaNet layers, whose recurrent "
+            "and convolution state would have to pass from context rank to context rank along each sample; context "
+            "parallelism supports the attention-only families (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). Use "
+            "parallel.context=1."
+        )
+
+
 def new_context_group(world_size: int, context_size: int) -> dist.ProcessGroup:
     """This rank's context group. Every rank creates every group (torch requires it), in the same order."""
     rank, mine = dist.get_rank(), None

@@ -380,6 +380,11 @@ MODEL_KEYS = (
 )
 
 
+def is_packed_batch(batch: dict) -> bool:
+    """A packed batch (whole, or one context rank's shard of one), as opposed to a padded one."""
+    return "cu_seqlens" in batch or context_parallel.is_sharded(batch)
+
+
 def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """Keyword arguments for `model(**inputs, use_cache=False)` from a packed batch (docs/architecture.md).
 

@@ -19,7 +19,6 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import set_seed
 
-from core.config_tree import ConfigError
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
@@ -69,6 +68,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     `parallel.context` = CP > 1, the loaders deal packs by data-parallel rank (rank // CP) and shard each pack over
     the CP ranks of a context group (training/context_parallel.py).
     """
+    cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
@@ -83,15 +83,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     gated_delta_backend = enable_packed_forward(
         model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype)
     )
-    cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
     if cp.context_size > 1:
-        if gated_delta_backend is not None:
-            raise ConfigError(
-                f"parallel.context={cp.context_size}: {model.config.model_type} has Gated DeltaNet layers, whose "
-                "recurrent and convolution state would have to pass from context rank to context rank along each "
-                "sample; context parallelism supports attention-only families (qwen2_vl, qwen2_5_vl, qwen3_vl, "
-                "qwen3_vl_moe). Use parallel.context=1."
-            )
+        context_parallel.check_supported(model, cp.context_size, gated_delta_backend)
         group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
         context_parallel.enable_context_parallel(model, group, PACK_KWARG)
     parts.freeze(

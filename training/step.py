@@ -87,7 +87,7 @@ class TrainModule(nn.Module):
         self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
 
     def model_inputs(self, batch: dict) -> dict:
-        if "cu_seqlens" in batch:
+        if packed.is_packed_batch(batch):
             return packed.packed_model_inputs(self.model, batch)
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
 
