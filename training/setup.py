@@ -87,6 +87,13 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         context_parallel.check_supported(model, cp.context_size, gated_delta_backend)
         group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
         context_parallel.enable_context_parallel(model, group, PACK_KWARG)
+        log.info(
+            "context parallel: %d ranks per pack, %d data-parallel ranks (this rank: context %d, data %d)",
+            cp.context_size,
+            cp.data_size,
+            cp.context_rank,
+            cp.data_rank,
+        )
     parts.freeze(
         model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
     )
