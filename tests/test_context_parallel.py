@@ -174,3 +174,33 @@ def test_layout_and_config_refusals():
     with pytest.raises(ConfigError, match=r"packing\.mode=packed"):
         load_config("recipes/tiny-qwen2_5_vl.yaml", ["parallel.context=2", "packing.mode=padded"])
     assert load_config("recipes/tiny-qwen2_5_vl.yaml").parallel.context == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context_size", [2, 4])
+def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, context_size):
+    """On CUDA in bf16 the varlen kernel (flash-attn, else torch's varlen_attn) runs each query chunk against its
+    document prefix with causal masking aligned bottom-right: each rank's rows equal the full pack's varlen
+    attention at its tokens, within the reference's own bf16 rounding."""
+    torch.manual_seed(0)
+    lengths = [300, 1100, 37, 800]
+    batch = synthetic_pack(lengths)
+    padded, _ = zigzag_indices(lengths, context_size)
+    heads, kv_heads, dim, total = 16, 2, 128, sum(padded)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    query = torch.randn(1, heads, total, dim, device=device, dtype=dtype)
+    key, value = (torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype) for _ in range(2))
+    scaling = dim**-0.5
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32, device=device)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    reference = packed._varlen_kernel(q, k, v, cu_seqlens, max(padded), scaling, True)
+    atol = 2 * ((reference + 0.3 - 0.3) - reference).abs().max().item()  # the reference's own bf16 rounding
+    shards = [shard_pack(batch, r, context_size, PAD) for r in range(context_size)]
+    stacked = torch.stack([k, v], dim=1)
+    gathered = torch.cat([stacked[s["cp_local_index"].to(device)] for s in shards])
+    monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
+    for shard in shards:
+        index = shard["cp_local_index"].to(device)
+        cp = context_parallel.context_shard(shard, group=None, device=device)
+        out = packed._context_parallel_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
+        torch.testing.assert_close(out.float(), reference[index].float(), rtol=0, atol=atol)
