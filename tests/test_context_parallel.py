@@ -15,6 +15,7 @@ from training.config import load_config
 from training.context_parallel import layout, shard_pack, zigzag_indices
 
 PAD = 0
+MERGE = 2
 
 
 def synthetic_pack(lengths: list[int], image_tokens: int = 0) -> dict:
@@ -74,7 +75,7 @@ def test_shard_carries_positions_labels_and_boundaries_with_the_tokens():
     zig-zag chunks and their documents' prefixes; whole-pack inputs are padded, not sharded."""
     lengths = [5, 8, 3]
     batch = synthetic_pack(lengths, image_tokens=2)
-    shards = [shard_pack(batch, r, 2, PAD) for r in range(2)]
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
     padded = [8, 8, 4]
     assert sum(s["num_label_tokens"] for s in shards) == batch["num_label_tokens"]
     for r, shard in enumerate(shards):
@@ -114,7 +115,7 @@ def test_kv_index_picks_each_chunks_document_prefix_from_the_gathered_keys():
     """Gathering the ranks' local tokens rank-major and taking cp_kv_index gives, for every query chunk, its
     document's tokens from the document start to the chunk's end, in order."""
     batch = synthetic_pack([7, 13, 4])
-    shards = [shard_pack(batch, r, 2, PAD) for r in range(2)]
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
     gathered = torch.cat([s["cp_local_index"] for s in shards])
     padded_starts = np.concatenate([[0], np.cumsum([8, 16, 4])[:-1]])
     for shard in shards:
@@ -146,7 +147,7 @@ def test_shard_attention_equals_full_attention_rows(monkeypatch, context_size):
     grad_out = torch.randn_like(reference)
     query_ref = query.clone().requires_grad_()
     (full_attention(query_ref, key, value, padded, scaling) * grad_out).sum().backward()
-    shards = [shard_pack(batch, r, context_size, PAD) for r in range(context_size)]
+    shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
     # the simulated all-gather: every rank's local k|v stacked rank-major
     stacked = torch.stack([key[0].transpose(0, 1), value[0].transpose(0, 1)], dim=1)
     gathered = torch.cat([stacked[s["cp_local_index"]] for s in shards])
@@ -195,7 +196,7 @@ def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, contex
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     reference = packed._varlen_kernel(q, k, v, cu_seqlens, max(padded), scaling, True)
     atol = 2 * ((reference + 0.3 - 0.3) - reference).abs().max().item()  # the reference's own bf16 rounding
-    shards = [shard_pack(batch, r, context_size, PAD) for r in range(context_size)]
+    shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
     stacked = torch.stack([k, v], dim=1)
     gathered = torch.cat([stacked[s["cp_local_index"].to(device)] for s in shards])
     monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
@@ -204,3 +205,34 @@ def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, contex
         cp = context_parallel.context_shard(shard, group=None, device=device)
         out = packed._context_parallel_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
         torch.testing.assert_close(out.float(), reference[index].float(), rtol=0, atol=atol)
+
+
+def test_vision_shard_deals_images_round_robin_and_gathers_them_back_in_pack_order():
+    """Image i goes to context rank i % CP with exactly its patch rows; the rows each rank would gather (every
+    rank's merged tokens padded to the widest rank, rank-major) put every merged token of the pack back in pack
+    order; a rank owning no video gets none (and runs a dummy), while the video's rows still cover it."""
+    batch = synthetic_pack([40, 30])
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4], [2, 4, 4]])
+    patches = grids.prod(-1)
+    batch["image_grid_thw"] = grids
+    batch["pixel_values"] = torch.arange(int(patches.sum()), dtype=torch.float32)[:, None].repeat(1, 3)
+    batch["video_grid_thw"] = torch.tensor([[2, 2, 2]])
+    batch["pixel_values_videos"] = torch.zeros(8, 3)
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), patches.cumsum(0)])
+    for r, shard in enumerate(shards):
+        mine = [i for i in range(3) if i % 2 == r]
+        expected = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine]).float()
+        assert torch.equal(shard["pixel_values"][:, 0], expected)
+        assert torch.equal(shard["cp_image_grid_thw"], grids[mine])
+        assert torch.equal(shard["image_grid_thw"], grids)
+    merged = (patches // MERGE**2).tolist()
+    first = [sum(merged[:i]) for i in range(3)]
+    width = shards[0]["cp_image_width"]
+    local = [torch.cat([torch.arange(first[i], first[i] + merged[i]) for i in range(r, 3, 2)]) for r in range(2)]
+    gathered = torch.cat([torch.nn.functional.pad(t, (0, width - len(t)), value=-1) for t in local])
+    for shard in shards:
+        assert torch.equal(gathered[shard["cp_image_rows"]], torch.arange(sum(merged)))
+    assert shards[0]["pixel_values_videos"] is not None and shards[1]["pixel_values_videos"] is None
+    assert shards[1]["cp_video_rows"].tolist() == [0, 1]
+    assert context_parallel.has_vision(shards[1], "pixel_values_videos")

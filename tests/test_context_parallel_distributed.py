@@ -66,7 +66,8 @@ for family in {families!r}:
 
     sharded = module_for(family)
     context_parallel.enable_context_parallel(sharded.model, group, PACK_KWARG)
-    shard = context_parallel.shard_pack(batch, rank, 2, pad_token_id=0)
+    merge = sharded.model.config.vision_config.spatial_merge_size
+    shard = context_parallel.shard_pack(batch, rank, 2, pad_token_id=0, spatial_merge_size=merge)
     local_loss = sharded(shard)
     local_loss.backward()
     with torch.no_grad():
@@ -103,6 +104,8 @@ for family in {families!r}:
         real_tokens=int(real.sum()),
         tokens=sum(lengths),
         missing=missing,
+        local_images=0 if shard["pixel_values"] is None else len(shard["cp_image_grid_thw"]),
+        local_videos=0 if shard["pixel_values_videos"] is None else len(shard["cp_video_grid_thw"]),
     )
     print("RESULT " + json.dumps(report), flush=True)
 dist.destroy_process_group()
@@ -124,9 +127,11 @@ def model_results(tmp_path_factory) -> list[dict]:
 def test_context_parallel_equals_one_process_per_family(model_results, family):
     """CP=2 on two ranks equals CP=1 on the same pack (images, a video, odd sample lengths): the summed loss and
     every parameter's gradient summed over the context group within 1e-5 relative, and every real token's logits;
-    the two ranks' real tokens are the pack's tokens, each once."""
-    results = [r for r in model_results if r["family"] == family]
-    assert sorted(r["rank"] for r in results) == [0, 1]
+    the two ranks' real tokens are the pack's tokens, each once. The vision tower really is sharded: each rank
+    encodes two of the four images, rank 0 the video and rank 1 a dummy in its place."""
+    results = sorted((r for r in model_results if r["family"] == family), key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == [0, 1]
+    assert [(r["local_images"], r["local_videos"]) for r in results] == [(2, 1), (2, 0)]
     assert sum(r["real_tokens"] for r in results) == results[0]["tokens"]
     for result in results:
         assert not result["missing"]

@@ -17,10 +17,15 @@ all-gathers k and v over the context group (backward reduce-scatters dk, dv), an
 local query chunk, its document's key prefix next to it: a chunk at document offset o attends keys [doc start,
 o + i] — causal with the mask aligned bottom-right, which is what the varlen kernels do for seqlen_q < seqlen_k.
 
-Model. The model still embeds the whole (padded) pack and every context rank runs the vision tower on all of the
-pack's images (redundant, exact); a pre-hook on the language model keeps this rank's tokens of the embeddings (and
-of Qwen3-VL's deepstack visual features) before the first decoder layer. The logits and the loss are this rank's
-tokens only.
+Vision (`vision_features`). Image i (and video i) is encoded by context rank i % CP only; the merged tokens (and
+Qwen3-VL's deepstack features) are all-gathered over the group and handed to the model as its precomputed
+`mm_encoder_outputs`, in pack order; backward returns each rank's gradient of a feature to the rank that computed
+it. A rank that owns no image (video) of a pack that has some runs a dummy image in its place, so every rank makes
+the same vision calls and collectives.
+
+Model. The model embeds the whole (padded) pack and scatters the gathered features into it; a pre-hook on the
+language model keeps this rank's tokens of the embeddings (and of the deepstack features) before the first decoder
+layer. The logits and the loss are this rank's tokens only.
 
 Gradients. Each rank's loss is the summed CE of its tokens; step.accumulate_gradients divides by the label count
 summed over all ranks and multiplies by the world size, and DDP/FSDP average over all ranks: the result is the
@@ -43,6 +48,7 @@ from core.config_tree import ConfigError
 from data.processing import IGNORE_INDEX
 
 TEXT = 0  # data.collate's token type of text tokens
+VISION_KINDS = (("image", "pixel_values"), ("video", "pixel_values_videos"))
 
 
 @dataclass(frozen=True)
@@ -145,16 +151,21 @@ def _pad_documents(array: np.ndarray, lengths: list[int], padded: list[int], fil
     return np.concatenate(parts, axis=-1)
 
 
-def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: int) -> dict:
+def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: int, spatial_merge_size: int) -> dict:
     """This context rank's share of a packed host batch (data/collate.py's `Collator.packed`).
 
-    Kept whole (the model embeds the pack and runs the vision tower on all its images): input_ids (1, Tp) and
-    mm_token_type_ids (1, Tp), documents padded with `pad_token_id` text tokens; the pixel inputs unchanged.
+    Kept whole (the model embeds the whole pack): input_ids (1, Tp) and mm_token_type_ids (1, Tp), documents padded
+    with `pad_token_id` text tokens; image_grid_thw / video_grid_thw (every image and video of the pack).
     Sharded (T_local = Tp / CP): position_ids (4, 1, T_local), shift_labels (1, T_local) (IGNORE_INDEX on pads).
+    Vision: image i (video i) goes to context rank i % CP: pixel_values / pixel_values_videos hold this rank's
+    patches only (None when it has none), cp_image_grid_thw / cp_video_grid_thw their grids, and cp_image_rows /
+    cp_video_rows (long) and cp_image_width / cp_video_width (int) say where each merged token of the pack's images
+    lies in the gathered features (`vision_features`); those keys exist only for a kind the pack has.
     Added: cp_local_index, cp_kv_index (long), cp_cu_seqlens_q / cp_cu_seqlens_k (int32), cp_max_seqlen_q /
     cp_max_seqlen_k, cp_q_lengths / cp_k_lengths (Python ints), cp_visual_rows (long), context_rank.
     num_label_tokens is this rank's; the other counts (tokens, patches, sample_lengths) stay the pack's, and the
     metrics count them on context rank 0 only. seq_idx and the whole-pack cu_seqlens / max_seqlen are dropped.
+    `spatial_merge_size`: the vision config's (patches per merged token = its square).
     """
     lengths = [int(s) for s in batch["sample_lengths"]]
     chunks = 2 * context_size
@@ -207,7 +218,35 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
         context_rank=context_rank,
         num_label_tokens=int((local_labels != IGNORE_INDEX).sum()),
     )
+    for kind, pixel_key in VISION_KINDS:
+        if batch.get(f"{kind}_grid_thw") is not None:
+            sharded.update(_shard_vision(batch, kind, pixel_key, context_rank, context_size, spatial_merge_size))
     return sharded
+
+
+def _shard_vision(batch: dict, kind: str, pixel_key: str, context_rank: int, context_size: int, merge: int) -> dict:
+    """This rank's images (or videos) i with i % CP == context_rank, and the gathered-feature rows of every merged
+    token of the pack's items in pack order (rank s's local row j is row s·width + j of the gather)."""
+    grid = batch[f"{kind}_grid_thw"]
+    patches = grid.prod(-1).tolist()
+    merged = [p // merge**2 for p in patches]
+    owner = [i % context_size for i in range(len(patches))]
+    patch_starts = np.concatenate([[0], np.cumsum(patches)]).astype(np.int64)
+    local_offset, counts, rows = [], [0] * context_size, []
+    for i, s in enumerate(owner):
+        local_offset.append(counts[s])
+        counts[s] += merged[i]
+    width = max(counts)
+    for i, s in enumerate(owner):
+        rows.append(s * width + local_offset[i] + np.arange(merged[i], dtype=np.int64))
+    mine = [i for i, s in enumerate(owner) if s == context_rank]
+    pixel_rows = [np.arange(patch_starts[i], patch_starts[i + 1], dtype=np.int64) for i in mine]
+    return {
+        pixel_key: batch[pixel_key][torch.from_numpy(np.concatenate(pixel_rows))] if mine else None,
+        f"cp_{kind}_grid_thw": grid[mine] if mine else None,
+        f"cp_{kind}_rows": torch.from_numpy(np.concatenate(rows)),
+        f"cp_{kind}_width": width,
+    }
 
 
 def is_sharded(batch: dict) -> bool:
@@ -268,6 +307,54 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
     """(T_local, ...) on each rank of `group` → (size·T_local, ...), rank-major; differentiable (backward sums
     every rank's gradient of this rank's rows)."""
     return _GatherSequence.apply(local, group)
+
+
+def has_vision(batch: dict, pixel_key: str) -> bool:
+    """Whether the pack (whole, or sharded: any rank's share) has images (`pixel_values`) or videos."""
+    kind = dict((key, kind) for kind, key in VISION_KINDS)[pixel_key]
+    return batch.get(pixel_key) is not None or batch.get(f"cp_{kind}_rows") is not None
+
+
+@dataclass
+class GatheredVision:
+    """The vision tower's output for every image (video) of the pack, as the model's forward reads a precomputed
+    `mm_encoder_outputs` entry: pooler_output (merged tokens (N, D),) and, for Qwen3-VL, deepstack_features
+    [(N, D),] per deepstack layer."""
+
+    pooler_output: tuple[torch.Tensor, ...]
+    deepstack_features: list[tuple[torch.Tensor, ...]] | None = None
+
+
+def vision_features(
+    model: torch.nn.Module, batch: dict, dummy_pixels: torch.Tensor, dummy_grid: torch.Tensor
+) -> dict[str, GatheredVision]:
+    """`mm_encoder_outputs` for a `shard_pack` batch: each rank runs the vision tower on its own images and videos,
+    and the merged tokens (with the deepstack features, stacked: one collective per kind) are all-gathered over the
+    context group and put in pack order. Backward sends every rank's gradient of a feature to the rank that computed
+    it. A rank owning none of the pack's items of a kind runs `dummy_pixels` / `dummy_grid` (one merged token,
+    kept out: zero rows) so every rank makes the same vision calls and the same collectives, forward and backward.
+    """
+    inner, group = model.model, context_group(model)
+    encoder = {}
+    for kind, pixel_key in VISION_KINDS:
+        rows = batch.get(f"cp_{kind}_rows")
+        if rows is None:
+            continue
+        pixels, grid = batch.get(pixel_key), batch.get(f"cp_{kind}_grid_thw")
+        owns = pixels is not None
+        if not owns:
+            pixels, grid = dummy_pixels, dummy_grid
+        encode = inner.get_image_features if kind == "image" else inner.get_video_features
+        out = encode(pixels.to(inner.visual.dtype), grid, return_dict=True)
+        deepstack = getattr(out, "deepstack_features", None) or []
+        local = torch.stack([torch.cat(out.pooler_output), *(torch.cat(f) for f in deepstack)], dim=1)
+        local = local if owns else local[:0]
+        width = int(batch[f"cp_{kind}_width"])
+        local = torch.nn.functional.pad(local, (0, 0, 0, 0, 0, width - local.shape[0]))
+        features = gather_sequence(local, group).index_select(0, rows.to(local.device, non_blocking=True))
+        pooled, *deep = features.unbind(1)
+        encoder[kind] = GatheredVision((pooled,), [(d,) for d in deep] if deep else None)
+    return encoder
 
 
 def _keep_local_tokens(module: torch.nn.Module, args: tuple, kwargs: dict, pack_kwarg: str) -> tuple[tuple, dict]:

@@ -421,14 +421,16 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
 
 def _context_parallel_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """Model keywords for a `context_parallel.shard_pack` batch: the whole padded pack's input_ids (the model
-    embeds it and runs the vision tower on all its images), this rank's position_ids, and the ContextShard as
-    `packed_seqlens`. Raises ValueError when the model has no context group (enable_context_parallel)."""
+    embeds it), this rank's position_ids, and the ContextShard as `packed_seqlens`; no vision inputs (the caller
+    adds `mm_encoder_outputs` from `context_parallel.vision_features`, the pack's features gathered over the
+    group). Raises ValueError when the model has no context group (enable_context_parallel)."""
     group = context_parallel.context_group(model)
     if group is None:
         raise ValueError("a context-parallel batch needs training.context_parallel.enable_context_parallel(model).")
     local_tokens = batch["cp_local_index"].shape[0]
     if batch["position_ids"].shape != (4, 1, local_tokens) or batch["shift_labels"].shape != (1, local_tokens):
         raise ValueError(f"a context-parallel batch's positions and labels must cover its {local_tokens} tokens.")
-    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None}
+    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None and key not in vision}
     inputs[PACK_KWARG] = context_parallel.context_shard(batch, group, batch["input_ids"].device)
     return inputs

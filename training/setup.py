@@ -115,6 +115,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             context_rank=cp.context_rank,
             context_size=cp.context_size,
             pad_token_id=pad if pad is not None else 0,
+            spatial_merge_size=model.config.vision_config.spatial_merge_size,
         )
     train_loader, eval_loader, _ = build_data(
         cfg.data,

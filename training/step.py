@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from data.processing import IGNORE_INDEX
-from training import packed
+from training import context_parallel, packed
 
 CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
 PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
@@ -87,6 +87,12 @@ class TrainModule(nn.Module):
         self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
 
     def model_inputs(self, batch: dict) -> dict:
+        if context_parallel.is_sharded(batch):
+            inputs = packed.packed_model_inputs(self.model, batch)
+            inputs["mm_encoder_outputs"] = context_parallel.vision_features(
+                self.model, batch, self.dummy_pixels, self.dummy_grid
+            )
+            return inputs
         if packed.is_packed_batch(batch):
             return packed.packed_model_inputs(self.model, batch)
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
@@ -95,12 +101,13 @@ class TrainModule(nn.Module):
         # The model calls the vision tower once for a pack's images and once for its videos. Every rank must make
         # the same calls (FSDP2 all-gathers per call, DDP needs every vision parameter used), so a pack without
         # images or without videos sends a dummy image through the tower in their place (contributing exactly 0).
-        # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
+        # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order. Under
+        # context parallelism a rank owning none of the pack's images runs its dummy in vision_features instead.
         visual = self.model.model.visual
         dummies = [
             _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
             for key in ("pixel_values", "pixel_values_videos")
-            if batch.get(key) is None
+            if not context_parallel.has_vision(batch, key)
         ]
         logits = self.model(**self.model_inputs(batch), use_cache=False).logits
         loss_sum = summed_cross_entropy(logits.flatten(0, 1), batch["shift_labels"].flatten())
