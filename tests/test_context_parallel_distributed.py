@@ -1,7 +1,8 @@
 """Context parallelism over two processes (gloo on CPU): CP=2 trains exactly what CP=1 trains.
 
 - Model level, every attention family: the two ranks' losses and gradients (summed over the context group, as DDP's
-  average times the world size does) and their logits equal one process's on the same pack, in fp32.
+  average times the world size does) and their logits equal one process's on the same pack, in fp32; for
+  Qwen2.5-VL also under FSDP2 (torch's fully_shard per layer, as accelerate's FSDP2 path wraps).
 - Training level: `accelerate launch` with two processes and parallel.context=2 logs the same loss and gradient norm
   per step as one process on the same packs (the loss normalisation and DDP's averaging over context ranks).
 - Qwen3.5 (Gated DeltaNet) is refused with the reason.
@@ -26,6 +27,7 @@ import dataclasses, json, sys
 sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
 from training.config import load_config
 from training.modeling import build_model
 from training.packed import PACK_KWARG, enable_packed_forward
@@ -94,7 +96,19 @@ for family in {families!r}:
             missing.append(name)
             continue
         grad_error = max(grad_error, relative(grad, expected[name].grad))
+    fsdp2_error = None
+    if family == "qwen2_5_vl":  # FSDP2 over both ranks (which are also the context group): per-layer shards
+        fsdp = module_for(family)
+        context_parallel.enable_context_parallel(fsdp.model, group, PACK_KWARG)
+        for unit in [m for m in fsdp.modules() if type(m).__name__ in fsdp._no_split_modules]:
+            fully_shard(unit)
+        fully_shard(fsdp)
+        (fsdp(shard) * 2).backward()  # FSDP averages over the 2 ranks: x2 turns it into the context group's sum
+        fsdp2_error = max(
+            relative(p.grad.full_tensor(), expected[name].grad) for name, p in fsdp.named_parameters()
+        )
     report = dict(
+        fsdp2_error=fsdp2_error,
         family=family,
         rank=rank,
         loss=total.item(),
@@ -138,6 +152,8 @@ def test_context_parallel_equals_one_process_per_family(model_results, family):
         assert result["loss"] == pytest.approx(result["expected_loss"], rel=1e-5)
         assert result["grad_error"] < 1e-5, f"rank {result['rank']}: gradient error {result['grad_error']}"
         assert result["logits_error"] < 1e-5, f"rank {result['rank']}: logits error {result['logits_error']}"
+        if family == "qwen2_5_vl":  # the same step under FSDP2 (per-layer shards over both ranks)
+            assert result["fsdp2_error"] < 1e-5, f"rank {result['rank']}: FSDP2 error {result['fsdp2_error']}"
 
 
 @pytest.mark.slow
