@@ -174,6 +174,22 @@ def test_training_with_context_parallel_matches_one_process(tmp_path):
         assert cp2[step]["tokens_per_s_per_gpu"] > 0
 
 
+@pytest.mark.slow
+def test_data_and_context_parallel_together_match_one_process(tmp_path):
+    """Four processes, parallel.context=2: two data-parallel groups of two context ranks each get their own pack
+    (dealt by rank // 2) and train exactly what one process accumulating both packs trains (loss normalised by the
+    global label count, DDP averaging over all four ranks)."""
+    data, cache = write_mixed_dataset(tmp_path / "data"), tmp_path / "cache"
+    common = ["checkpoint.export=false", "checkpoint.every_steps=0"]
+    launch(4, tmp_path / "dp2cp2", data, cache, *common, "packing.balance_window_steps=1", "parallel.context=2")
+    launch(1, tmp_path / "one", data, cache, *common, "packing.balance_window_steps=2", "train.grad_accum_steps=2")
+    both, one = step_records(tmp_path / "dp2cp2"), step_records(tmp_path / "one")
+    assert sorted(both) == sorted(one)
+    for step in both:
+        assert both[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), f"loss at step {step}"
+        assert both[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-5), f"grad norm at {step}"
+
+
 def test_gated_delta_families_are_refused(tiny_model):
     """parallel.context > 1 on a Qwen3.5 model (Gated DeltaNet layers) is a ConfigError that says why."""
     from core.config_tree import ConfigError

@@ -45,9 +45,9 @@ import torch
 import torch.distributed as dist
 
 from core.config_tree import ConfigError
+from data.collate import TEXT
 from data.processing import IGNORE_INDEX
 
-TEXT = 0  # data.collate's token type of text tokens
 VISION_KINDS = (("image", "pixel_values"), ("video", "pixel_values_videos"))
 
 
@@ -311,7 +311,7 @@ def gather_sequence(local: torch.Tensor, group: dist.ProcessGroup) -> torch.Tens
 
 def has_vision(batch: dict, pixel_key: str) -> bool:
     """Whether the pack (whole, or sharded: any rank's share) has images (`pixel_values`) or videos."""
-    kind = dict((key, kind) for kind, key in VISION_KINDS)[pixel_key]
+    kind = {key: kind for kind, key in VISION_KINDS}[pixel_key]
     return batch.get(pixel_key) is not None or batch.get(f"cp_{kind}_rows") is not None
 
 
