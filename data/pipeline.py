@@ -11,6 +11,7 @@ had not seen yet.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -440,6 +441,11 @@ def _streaming(
     return items_of(False, shuffle=True), items_of(True, shuffle=False), lambda keys: list(keys)
 
 
+def _collate_then(collate: Callable[[list[dict]], dict], then: Callable[[dict], dict], rows: list[dict]) -> dict:
+    """`then(collate(rows))`; module-level so DataLoader workers can pickle it."""
+    return then(collate(rows))
+
+
 def build_data(
     data_cfg: DataConfig,
     packing_cfg: PackingConfig,
@@ -448,8 +454,13 @@ def build_data(
     rank: int = 0,
     world_size: int = 1,
     grad_accum_steps: int = 1,
+    shard: Callable[[dict], dict] | None = None,
 ):
     """(train_loader, eval_loader, stats) for the recipe's `data` and `packing` sections.
+
+    `rank` / `world_size` are data-parallel. `shard` (context parallelism, packed mode): applied to every
+    collated batch, e.g. this rank's share of the pack (training/context_parallel.py's `shard_pack`); every rank
+    of a context group passes the group's data-parallel rank, so all of them get the same packs.
 
     train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
     padded, docs/architecture.md), each epoch a whole number of optimizer steps of `grad_accum_steps`
@@ -488,6 +499,10 @@ def build_data(
         raise_errors=data_cfg.on_error == "raise",
     )
     collate = collator.packed if packing_cfg.mode == "packed" else collator.padded
+    if shard is not None:
+        if packing_cfg.mode != "packed":
+            raise ConfigError("a batch shard (context parallelism) needs packing.mode=packed.")
+        collate = functools.partial(_collate_then, collate, shard)
     common = {"fetch": fetch, "collate": collate, "packing_cfg": packing_cfg, "rank": rank, "world_size": world_size}
     # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
     num_workers = 0 if data_cfg.streaming else data_cfg.num_workers

@@ -1,4 +1,5 @@
-"""The recipe schema: one typed tree with sections model, data, packing, kernels, train, checkpoint, logging.
+"""The recipe schema: one typed tree with sections model, data, packing, kernels, parallel, train, checkpoint,
+logging.
 
 `load_config(path, overrides)` is the single entry point; train.py and every script use it.
 """
@@ -41,6 +42,17 @@ class KernelsConfig:
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly (self-checked where fla
     # would refuse), else the boundary-exact torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
+
+
+@dataclass
+class ParallelConfig:
+    # Context parallelism: each pack is split over this many ranks (zig-zag chunks of every sample, all-gather-KV
+    # attention; training/context_parallel.py). The data-parallel size is the number of processes / context.
+    context: int = 1
+
+    def validate(self) -> None:
+        if self.context < 1:
+            raise ConfigError(f"parallel.context must be >= 1 (1 = off), got {self.context}.")
 
 
 @dataclass
@@ -137,6 +149,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     packing: PackingConfig = field(default_factory=PackingConfig)
     kernels: KernelsConfig = field(default_factory=KernelsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -152,6 +165,11 @@ class Config:
             raise ConfigError(
                 "train.master_weights=optimizer supports model.dtype=bfloat16 only: float16 weights would need their "
                 "gradients loss-scaled. Use model.dtype=bfloat16 or train.master_weights=module."
+            )
+        if self.parallel.context > 1 and self.packing.mode != "packed":
+            raise ConfigError(
+                f"parallel.context={self.parallel.context} splits packs across ranks: it needs packing.mode=packed "
+                "(or parallel.context=1)."
             )
         for part in ("vision", "merger"):
             if getattr(self.model, f"freeze_{part}") and getattr(self.train, f"lr_{part}") is not None:

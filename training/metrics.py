@@ -344,6 +344,8 @@ class MetricsLogger:
         """Add optimizer step `step`: its host batches' counts and FLOPs, its device loss sum, label count and
         gradient norm (no sync)."""
         for batch in host_batches:
+            if batch.get("context_rank", 0):  # a pack split over a context group is counted once, by its rank 0
+                continue
             flops = pack_flops(self.flop_profile, batch["sample_lengths"], image_grids(batch))
             self.counts.add_batch(batch, self._budget(batch), flops)
             if self.timed_clock.running:

@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from training import gated_delta
+from training import context_parallel, gated_delta
 
 logger = logging.getLogger(__name__)
 
@@ -99,14 +99,34 @@ def _varlen_kernel(
     max_seqlen: int,
     scaling: float,
     causal: bool,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_k: int | None = None,
 ) -> torch.Tensor:
-    """One varlen call on the GPU. q (T,H,D), k/v (T,Hkv,D) bf16/fp16 → (T,H,D)."""
+    """One varlen call on the GPU. q (Tq,H,D), k/v (Tk,Hkv,D) bf16/fp16 → (Tq,H,D).
+
+    The key segments are the query segments (`cu_seqlens`) unless `cu_seqlens_k` / `max_seqlen_k` are given
+    (context parallelism: a query chunk against its document's key prefix). Where a key segment is longer than its
+    query segment, causal masking is aligned bottom-right — query i attends keys j <= i + seqlen_k - seqlen_q — in
+    both kernels: flash-attn >= 2.1 documents it for `causal=True` and for its window (`[i + seqlen_k - seqlen_q -
+    window_size[0], i + seqlen_k - seqlen_q + window_size[1]]`), and torch's varlen_attn runs the same flash kernel
+    (`aten._flash_attention_forward`, whose `is_causal=True` "means lower right": torch/nn/attention/bias.py).
+    """
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32, non_blocking=True)
+    cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k.to(device=query.device, dtype=torch.int32)
+    max_seqlen_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
     if _HAS_FLASH_ATTN:
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(
-            query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, softmax_scale=scaling, causal=causal
+            query,
+            key,
+            value,
+            cu_seqlens,
+            cu_seqlens_k,
+            max_seqlen,
+            max_seqlen_k,
+            softmax_scale=scaling,
+            causal=causal,
         )
     from torch.nn.attention.varlen import varlen_attn
 
@@ -117,7 +137,16 @@ def _varlen_kernel(
         groups = 1
     extra = {"enable_gqa": True} if groups > 1 else {}
     return varlen_attn(
-        query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scaling, window_size=window, **extra
+        query,
+        key,
+        value,
+        cu_seqlens,
+        cu_seqlens_k,
+        max_seqlen,
+        max_seqlen_k,
+        scale=scaling,
+        window_size=window,
+        **extra,
     )
 
 
@@ -182,6 +211,58 @@ def _masked_sdpa(
     return out[0].transpose(0, 1)
 
 
+def _per_chunk_sdpa(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    q_lengths: tuple[int, ...],
+    k_lengths: tuple[int, ...],
+    scaling: float,
+) -> torch.Tensor:
+    """One SDPA call per query chunk against its key segment, causal aligned bottom-right (query i attends keys
+    j <= i + seqlen_k - seqlen_q) through an explicit mask: SDPA's `is_causal` aligns top-left.
+    q (1,H,Tq,D), k/v (1,Hkv,Tk,D), any dtype → (Tq,H,D)."""
+    gqa = query.shape[1] != key.shape[1]
+    outputs = []
+    for q, k, v in zip(query.split(list(q_lengths), dim=2), *(t.split(list(k_lengths), dim=2) for t in (key, value))):
+        seqlen_q, seqlen_k = q.shape[2], k.shape[2]
+        mask = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=q.device).tril(seqlen_k - seqlen_q)
+        outputs.append(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+    return torch.cat(outputs, dim=2)[0].transpose(0, 1)
+
+
+def _context_parallel_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: context_parallel.ContextShard, scaling: float
+) -> torch.Tensor:
+    """Causal attention of this context rank's query chunks against their documents' key prefixes (all-gather-KV,
+    training/context_parallel.py). q (1,H,T_local,D), k/v (1,Hkv,T_local,D) → (T_local,H,D).
+
+    k and v are all-gathered over the context group (one collective when they share a dtype; on the varlen path in
+    the half dtype the kernel computes in, which halves the traffic) and each chunk's key prefix is picked out with
+    one index_select: a chunk at document offset o has keys [doc start, o + m), so bottom-right causal alignment
+    gives query i the keys up to o + i.
+    """
+    half = varlen_dtype(query, key, value)
+    varlen = query.device.type in VARLEN_DEVICES and half is not None
+    if varlen:
+        query, key, value = (t.to(half) for t in (query, key, value))
+    k_local, v_local = (t[0].transpose(0, 1) for t in (key, value))
+    if k_local.dtype == v_local.dtype:
+        gathered = context_parallel.gather_sequence(torch.stack([k_local, v_local], dim=1), shard.group)
+        k, v = gathered.index_select(0, shard.kv_index).unbind(1)
+    else:
+        k, v = (
+            context_parallel.gather_sequence(t, shard.group).index_select(0, shard.kv_index) for t in (k_local, v_local)
+        )
+    if varlen:
+        q = query[0].transpose(0, 1)
+        return _varlen_kernel(
+            q, k, v, shard.cu_seqlens_q, shard.max_seqlen_q, scaling, True, shard.cu_seqlens_k, shard.max_seqlen_k
+        )
+    k, v = (t.transpose(0, 1)[None] for t in (k, v))
+    return _per_chunk_sdpa(query, k, v, shard.q_lengths, shard.k_lengths, scaling)
+
+
 def packed_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -213,6 +294,8 @@ def packed_attention_forward(
     if query.shape[0] != 1:
         raise ValueError(f"a packed batch has batch size 1 (all samples in one row), got {query.shape[0]}.")
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if vision_cu_seqlens is None and isinstance(pack, context_parallel.ContextShard):
+        return _context_parallel_attention(query, key, value, pack, scaling).unsqueeze(0), None
     if vision_cu_seqlens is not None:
         causal, cu_seqlens, max_seqlen, lengths = False, vision_cu_seqlens, kwargs.get("max_length_q"), None
     else:
@@ -338,6 +421,11 @@ MODEL_KEYS = (
 )
 
 
+def is_packed_batch(batch: dict) -> bool:
+    """A packed batch (whole, or one context rank's shard of one), as opposed to a padded one."""
+    return "cu_seqlens" in batch or context_parallel.is_sharded(batch)
+
+
 def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """Keyword arguments for `model(**inputs, use_cache=False)` from a packed batch (docs/architecture.md).
 
@@ -352,6 +440,8 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     """
     if not is_packed_forward_enabled(model):
         raise ValueError("call training.packed.enable_packed_forward(model) before feeding it packed batches.")
+    if context_parallel.is_sharded(batch):
+        return _context_parallel_inputs(model, batch)
     input_ids = batch["input_ids"]
     lengths = tuple(int(s) for s in batch["sample_lengths"])
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
@@ -368,4 +458,21 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
         max_seqlen=int(batch["max_seqlen"]),
         sample_lengths=lengths,
     )
+    return inputs
+
+
+def _context_parallel_inputs(model: torch.nn.Module, batch: dict) -> dict:
+    """Model keywords for a `context_parallel.shard_pack` batch: the whole padded pack's input_ids (the model
+    embeds it), this rank's position_ids, and the ContextShard as `packed_seqlens`; no vision inputs (the caller
+    adds `mm_encoder_outputs` from `context_parallel.vision_features`, the pack's features gathered over the
+    group). Raises ValueError when the model has no context group (enable_context_parallel)."""
+    group = context_parallel.context_group(model)
+    if group is None:
+        raise ValueError("a context-parallel batch needs training.context_parallel.enable_context_parallel(model).")
+    local_tokens = batch["cp_local_index"].shape[0]
+    if batch["position_ids"].shape != (4, 1, local_tokens) or batch["shift_labels"].shape != (1, local_tokens):
+        raise ValueError(f"a context-parallel batch's positions and labels must cover its {local_tokens} tokens.")
+    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None and key not in vision}
+    inputs[PACK_KWARG] = context_parallel.context_shard(batch, group, batch["input_ids"].device)
     return inputs

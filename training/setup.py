@@ -10,6 +10,7 @@ Accelerator to know) before the data pipeline logs its statistics:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -21,11 +22,11 @@ from accelerate.utils import DistributedType, set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import distributed, master_weights, metrics, optim, parts, step
+from training import context_parallel, distributed, master_weights, metrics, optim, parts, step
 from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
-from training.packed import enable_packed_forward
+from training.packed import PACK_KWARG, enable_packed_forward
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +78,12 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
     `model.dtype`), or with `train.master_weights=optimizer` the module is cast to `model.dtype` and the optimizer
     steps fp32 copies (training/master_weights.py). With `train.compile` its blocks are then compiled in place
-    (training/compile.py), before accelerate wraps them.
+    (training/compile.py), before accelerate wraps them. With `parallel.context` = CP > 1, the loaders deal packs
+    by data-parallel rank (rank // CP) and shard each pack over the CP ranks of a context group
+    (training/context_parallel.py).
     """
     keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)
+    cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
@@ -91,7 +95,20 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             cfg.kernels.mrope,
             accelerator.device.type,
         )
-    enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
+    gated_delta_backend = enable_packed_forward(
+        model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype)
+    )
+    if cp.context_size > 1:
+        context_parallel.check_supported(model, cp.context_size, gated_delta_backend)
+        group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
+        context_parallel.enable_context_parallel(model, group, PACK_KWARG)
+        log.info(
+            "context parallel: %d ranks per pack, %d data-parallel ranks (this rank: context %d, data %d)",
+            cp.context_size,
+            cp.data_size,
+            cp.context_rank,
+            cp.data_rank,
+        )
     parts.freeze(
         model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
     )
@@ -107,14 +124,25 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     )
 
     processor = load_processor(cfg.model, cfg.data)
+    cp_shard = None
+    if cp.context_size > 1:
+        pad = processor.tokenizer.pad_token_id
+        cp_shard = functools.partial(
+            context_parallel.shard_pack,
+            context_rank=cp.context_rank,
+            context_size=cp.context_size,
+            pad_token_id=pad if pad is not None else 0,
+            spatial_merge_size=model.config.vision_config.spatial_merge_size,
+        )
     train_loader, eval_loader, _ = build_data(
         cfg.data,
         cfg.packing,
         processor,
         model.config,
-        accelerator.process_index,
-        accelerator.num_processes,
+        cp.data_rank,
+        cp.data_size,
         cfg.train.grad_accum_steps,
+        shard=cp_shard,
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)

@@ -21,7 +21,7 @@ from torch.profiler import record_function
 
 from data.pipeline import STEP_VISION
 from data.processing import IGNORE_INDEX
-from training import packed, vision_plan
+from training import context_parallel, packed, vision_plan
 from training.loss import linear_cross_entropy
 
 PHASE = "phase/"
@@ -91,13 +91,19 @@ class TrainModule(nn.Module):
         self.vision_plans = vision_plan.VisionPlans(model.model.visual)
 
     def model_inputs(self, batch: dict) -> dict:
-        if "cu_seqlens" in batch:
+        if context_parallel.is_sharded(batch):
+            inputs = packed.packed_model_inputs(self.model, batch)
+            inputs["mm_encoder_outputs"] = context_parallel.vision_features(
+                self.model, batch, self.dummy_pixels, self.dummy_grid
+            )
+            return inputs
+        if packed.is_packed_batch(batch):
             return packed.packed_model_inputs(self.model, batch)
         return {key: batch[key] for key in PADDED_MODEL_KEYS if batch.get(key) is not None}
 
     def dummy_vision_calls(self, batch: dict) -> int:
         """How many dummy images this pack sends through the vision tower (VisionAlignment)."""
-        missing = [batch.get(key) is None for key in VISION_KINDS]
+        missing = [not context_parallel.has_vision(batch, key) for key in VISION_KINDS]
         if self.vision_alignment == "none":
             return 0
         if self.vision_alignment == "any_call":
@@ -107,16 +113,17 @@ class TrainModule(nn.Module):
         return sum(missing)
 
     def forward(self, batch: dict) -> torch.Tensor:
-        # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order.
+        # Dummies run first, where a real image would: FSDP2 all-gathers unit by unit, in execution order. Under
+        # context parallelism a rank owning none of the pack's images runs its dummy in vision_features instead.
         visual = self.model.model.visual
-        with record_function(PHASE + "vision_plan"):
-            self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
-            inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
         with record_function(PHASE + "vision_dummies"):
+            self.vision_plans.constant(self.dummy_grid, self._dummy_rows)
             dummies = [
                 _tensor_sum(visual(self.dummy_pixels.to(visual.dtype), grid_thw=self.dummy_grid))
                 for _ in range(self.dummy_vision_calls(batch))
             ]
+        with record_function(PHASE + "vision_plan"):
+            inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
         with record_function(PHASE + "model_forward"):
             hidden = self.model.model(**inputs, use_cache=False).last_hidden_state
         self.vision_plans.clear()

@@ -1,0 +1,238 @@
+"""Context parallelism on one process: the zig-zag shard of a pack and the attention of a shard against the
+gathered keys, with the all-gather simulated (the two-process exactness tests are in
+tests/test_context_parallel_distributed.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from core.config_tree import ConfigError
+from data.processing import IGNORE_INDEX
+from training import context_parallel, packed
+from training.config import load_config
+from training.context_parallel import layout, shard_pack, zigzag_indices
+
+PAD = 0
+MERGE = 2
+
+
+def synthetic_pack(lengths: list[int], image_tokens: int = 0) -> dict:
+    """A host pack shaped like Collator.packed's: token ids = 100 + global position (so a token names its place),
+    labels = the next token inside each sample, 4 position rows (row r = r·1000 + position in the sample), the first
+    `image_tokens` tokens of every sample marked as image tokens."""
+    total = sum(lengths)
+    input_ids = np.arange(total, dtype=np.int64) + 100
+    shift_labels = np.full(total, IGNORE_INDEX, dtype=np.int64)
+    positions = np.zeros((4, total), dtype=np.int64)
+    token_types = np.zeros(total, dtype=np.int32)
+    start = 0
+    for length in lengths:
+        shift_labels[start : start + length - 1] = input_ids[start + 1 : start + length]
+        for row in range(4):
+            positions[row, start : start + length] = row * 1000 + np.arange(length)
+        token_types[start : start + image_tokens] = 1
+        start += length
+    cu_seqlens = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return {
+        "input_ids": torch.from_numpy(input_ids)[None],
+        "position_ids": torch.from_numpy(positions)[:, None],
+        "shift_labels": torch.from_numpy(shift_labels)[None],
+        "mm_token_type_ids": torch.from_numpy(token_types)[None],
+        "cu_seqlens": torch.from_numpy(cu_seqlens),
+        "max_seqlen": max(lengths),
+        "seq_idx": torch.zeros(1, total, dtype=torch.int32),
+        "sample_lengths": list(lengths),
+        "num_label_tokens": int((shift_labels != IGNORE_INDEX).sum()),
+        "num_text_tokens": int((token_types == 0).sum()),
+    }
+
+
+@pytest.mark.parametrize("context_size", [2, 3])
+def test_zigzag_indices_cut_every_document_into_mirrored_chunks(context_size):
+    """Each document is padded to a multiple of 2·CP; rank r holds its chunks r and 2CP-1-r; the ranks' indices
+    together cover the padded pack exactly once, and every rank holds the same number of tokens."""
+    lengths = [5, 8, 3, 12]
+    padded, per_rank = zigzag_indices(lengths, context_size)
+    chunks = 2 * context_size
+    assert all(p % chunks == 0 and 0 <= p - n < chunks for p, n in zip(padded, lengths))
+    assert sorted(np.concatenate(per_rank).tolist()) == list(range(sum(padded)))
+    assert len({len(index) for index in per_rank}) == 1
+    start = 0
+    for length in padded:
+        m = length // chunks
+        for r, index in enumerate(per_rank):
+            mine = index[(index >= start) & (index < start + length)] - start
+            expected = [*range(r * m, (r + 1) * m), *range((chunks - 1 - r) * m, (chunks - r) * m)]
+            assert mine.tolist() == expected
+        start += length
+
+
+def test_shard_carries_positions_labels_and_boundaries_with_the_tokens():
+    """For every rank: the local positions and labels are the padded pack's at the rank's tokens; pad tokens carry
+    IGNORE_INDEX; the label counts of the ranks add up to the pack's; the query chunks and key prefixes are the
+    zig-zag chunks and their documents' prefixes; whole-pack inputs are padded, not sharded."""
+    lengths = [5, 8, 3]
+    batch = synthetic_pack(lengths, image_tokens=2)
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
+    padded = [8, 8, 4]
+    assert sum(s["num_label_tokens"] for s in shards) == batch["num_label_tokens"]
+    for r, shard in enumerate(shards):
+        local = shard["cp_local_index"].numpy()
+        ids = shard["input_ids"][0].numpy()
+        assert ids.shape == (sum(padded),)
+        real = ids != PAD
+        assert real.sum() == sum(lengths) and (ids[real] == np.arange(sum(lengths)) + 100).all()
+        # the local labels are the next tokens of the local tokens' samples, IGNORE_INDEX on pads and sample ends
+        labels = shard["shift_labels"][0].numpy()
+        for token, label in zip(ids[local], labels):
+            if token == PAD:
+                assert label == IGNORE_INDEX
+            elif label != IGNORE_INDEX:
+                assert label == token + 1
+        positions = shard["position_ids"][:, 0].numpy()
+        assert positions.shape == (4, len(local))
+        for row in range(4):  # positions restart per sample and run on through the pad of its sample
+            start = 0
+            for length in padded:
+                inside = (local >= start) & (local < start + length)
+                assert (positions[row, inside] == row * 1000 + local[inside] - start).all()
+                start += length
+        q_lengths = [length // 4 for length in padded for _ in range(2)]
+        k_lengths = [length // 4 * (c + 1) for length in padded for c in (r, 3 - r)]
+        assert shard["cp_q_lengths"] == q_lengths and shard["cp_k_lengths"] == k_lengths
+        assert shard["cp_cu_seqlens_k"].tolist() == np.concatenate([[0], np.cumsum(k_lengths)]).tolist()
+        assert shard["cp_max_seqlen_k"] == max(k_lengths)
+        assert "seq_idx" not in shard and "cu_seqlens" not in shard
+        # visual rows: the local image tokens' rank among the pack's image tokens
+        types = shard["mm_token_type_ids"][0].numpy()
+        visual_order = np.cumsum(types != 0) - 1
+        assert shard["cp_visual_rows"].tolist() == visual_order[local][types[local] != 0].tolist()
+
+
+def test_kv_index_picks_each_chunks_document_prefix_from_the_gathered_keys():
+    """Gathering the ranks' local tokens rank-major and taking cp_kv_index gives, for every query chunk, its
+    document's tokens from the document start to the chunk's end, in order."""
+    batch = synthetic_pack([7, 13, 4])
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
+    gathered = torch.cat([s["cp_local_index"] for s in shards])
+    padded_starts = np.concatenate([[0], np.cumsum([8, 16, 4])[:-1]])
+    for shard in shards:
+        keys = gathered[shard["cp_kv_index"]].split(shard["cp_k_lengths"])
+        for segment, (start, k_length) in zip(keys, zip(np.repeat(padded_starts, 2), shard["cp_k_lengths"])):
+            assert segment.tolist() == list(range(start, start + k_length))
+        queries = shard["cp_local_index"].split(shard["cp_q_lengths"])
+        for query, key in zip(queries, keys):  # every chunk ends where its key prefix ends
+            assert query[-1] == key[-1]
+
+
+def full_attention(query, key, value, lengths, scaling):
+    return packed._per_segment_sdpa(query, key, value, lengths, scaling, causal=True)
+
+
+@pytest.mark.parametrize("context_size", [2, 3])
+def test_shard_attention_equals_full_attention_rows(monkeypatch, context_size):
+    """Each rank's attention of its query chunks against the gathered keys (the all-gather simulated) equals the
+    rows of causal per-sample attention over the whole padded pack at its tokens, forward and d/dq, in fp32."""
+    torch.manual_seed(0)
+    lengths = [5, 11, 3, 8]
+    batch = synthetic_pack(lengths)
+    padded, _ = zigzag_indices(lengths, context_size)
+    heads, kv_heads, dim, total = 4, 2, 8, sum(padded)
+    query = torch.randn(1, heads, total, dim, dtype=torch.float64)
+    key, value = (torch.randn(1, kv_heads, total, dim, dtype=torch.float64) for _ in range(2))
+    scaling = dim**-0.5
+    reference = full_attention(query, key, value, padded, scaling)
+    grad_out = torch.randn_like(reference)
+    query_ref = query.clone().requires_grad_()
+    (full_attention(query_ref, key, value, padded, scaling) * grad_out).sum().backward()
+    shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
+    # the simulated all-gather: every rank's local k|v stacked rank-major
+    stacked = torch.stack([key[0].transpose(0, 1), value[0].transpose(0, 1)], dim=1)
+    gathered = torch.cat([stacked[s["cp_local_index"]] for s in shards])
+    monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
+    for shard in shards:
+        index = shard["cp_local_index"]
+        cp = context_parallel.context_shard(shard, group=None, device=torch.device("cpu"))
+        q_local = query[:, :, index].clone().requires_grad_()
+        k_local, v_local = key[:, :, index], value[:, :, index]
+        out = packed._context_parallel_attention(q_local, k_local, v_local, cp, scaling)
+        torch.testing.assert_close(out, reference[index], rtol=1e-12, atol=1e-12)
+        (out * grad_out[index]).sum().backward()
+        torch.testing.assert_close(q_local.grad, query_ref.grad[:, :, index], rtol=1e-12, atol=1e-12)
+
+
+def test_layout_and_config_refusals():
+    """Ranks form consecutive context groups; a world the context size does not divide, a context size below 1, and
+    context parallelism over padded batches are refused with the fix."""
+    assert layout(5, 8, 2) == context_parallel.ContextLayout(data_rank=2, data_size=4, context_rank=1, context_size=2)
+    assert layout(3, 4, 1) == context_parallel.ContextLayout(3, 4, 0, 1)
+    with pytest.raises(ConfigError, match="does not divide the 3 launched processes"):
+        layout(0, 3, 2)
+    with pytest.raises(ConfigError, match=r"parallel\.context must be >= 1"):
+        load_config("recipes/tiny-qwen2_5_vl.yaml", ["parallel.context=0"])
+    with pytest.raises(ConfigError, match=r"packing\.mode=packed"):
+        load_config("recipes/tiny-qwen2_5_vl.yaml", ["parallel.context=2", "packing.mode=padded"])
+    assert load_config("recipes/tiny-qwen2_5_vl.yaml").parallel.context == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("context_size", [2, 4])
+def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, context_size):
+    """On CUDA in bf16 the varlen kernel (flash-attn, else torch's varlen_attn) runs each query chunk against its
+    document prefix with causal masking aligned bottom-right: each rank's rows equal the full pack's varlen
+    attention at its tokens, within the reference's own bf16 rounding."""
+    torch.manual_seed(0)
+    lengths = [300, 1100, 37, 800]
+    batch = synthetic_pack(lengths)
+    padded, _ = zigzag_indices(lengths, context_size)
+    heads, kv_heads, dim, total = 16, 2, 128, sum(padded)
+    device, dtype = torch.device("cuda"), torch.bfloat16
+    query = torch.randn(1, heads, total, dim, device=device, dtype=dtype)
+    key, value = (torch.randn(1, kv_heads, total, dim, device=device, dtype=dtype) for _ in range(2))
+    scaling = dim**-0.5
+    cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32, device=device)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    reference = packed._varlen_kernel(q, k, v, cu_seqlens, max(padded), scaling, True)
+    atol = 2 * ((reference + 0.3 - 0.3) - reference).abs().max().item()  # the reference's own bf16 rounding
+    shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
+    stacked = torch.stack([k, v], dim=1)
+    gathered = torch.cat([stacked[s["cp_local_index"].to(device)] for s in shards])
+    monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
+    for shard in shards:
+        index = shard["cp_local_index"].to(device)
+        cp = context_parallel.context_shard(shard, group=None, device=device)
+        out = packed._context_parallel_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
+        torch.testing.assert_close(out.float(), reference[index].float(), rtol=0, atol=atol)
+
+
+def test_vision_shard_deals_images_round_robin_and_gathers_them_back_in_pack_order():
+    """Image i goes to context rank i % CP with exactly its patch rows; the rows each rank would gather (every
+    rank's merged tokens padded to the widest rank, rank-major) put every merged token of the pack back in pack
+    order; a rank owning no video gets none (and runs a dummy), while the video's rows still cover it."""
+    batch = synthetic_pack([40, 30])
+    grids = torch.tensor([[1, 4, 4], [1, 2, 4], [2, 4, 4]])
+    patches = grids.prod(-1)
+    batch["image_grid_thw"] = grids
+    batch["pixel_values"] = torch.arange(int(patches.sum()), dtype=torch.float32)[:, None].repeat(1, 3)
+    batch["video_grid_thw"] = torch.tensor([[2, 2, 2]])
+    batch["pixel_values_videos"] = torch.zeros(8, 3)
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), patches.cumsum(0)])
+    for r, shard in enumerate(shards):
+        mine = [i for i in range(3) if i % 2 == r]
+        expected = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine]).float()
+        assert torch.equal(shard["pixel_values"][:, 0], expected)
+        assert torch.equal(shard["cp_image_grid_thw"], grids[mine])
+        assert torch.equal(shard["image_grid_thw"], grids)
+    merged = (patches // MERGE**2).tolist()
+    first = [sum(merged[:i]) for i in range(3)]
+    width = shards[0]["cp_image_width"]
+    local = [torch.cat([torch.arange(first[i], first[i] + merged[i]) for i in range(r, 3, 2)]) for r in range(2)]
+    gathered = torch.cat([torch.nn.functional.pad(t, (0, width - len(t)), value=-1) for t in local])
+    for shard in shards:
+        assert torch.equal(gathered[shard["cp_image_rows"]], torch.arange(sum(merged)))
+    assert shards[0]["pixel_values_videos"] is not None and shards[1]["pixel_values_videos"] is None
+    assert shards[1]["cp_video_rows"].tolist() == [0, 1]
+    assert context_parallel.has_vision(shards[1], "pixel_values_videos")
