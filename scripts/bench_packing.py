@@ -253,7 +253,7 @@ def main() -> int:
         "builtin": builtin_samples(model.config, args.num_samples, args.max_tokens, generator),
         "long-tailed": long_tailed_samples(model.config, args.num_samples, args.max_tokens, generator),
     }
-    module = TrainModule(model, vision_alignment="none").to(device)  # one process, as train.py builds it
+    module = TrainModule(model, vision_alignment="any_call").to(device)  # one process, as train.py builds it
     results = [r for name, samples in datasets.items() for r in bench_dataset(module, name, samples, args, device)]
 
     print(f"{'dataset':12} {'variant':17} {'tokens/s':>11} {'real tok':>9} {'computed':>9} {'vs padded':>9}")

@@ -64,10 +64,8 @@ def build_accelerator(cfg: Config, log_with: list[str] | None = None) -> Acceler
 
 
 def vision_alignment(accelerator: Accelerator) -> step.VisionAlignment:
-    """The vision calls the run's ranks must share: FSDP2's per-call all-gathers pair up by kind, DDP's reducer
-    needs every parameter used on every rank, one process has no one to align with."""
-    if accelerator.num_processes == 1:
-        return "none"
+    """The vision calls the run's ranks must share: FSDP2's per-call all-gathers pair up by kind; one process and
+    DDP need only one call per pack (every vision parameter gets a gradient)."""
     return "step_kinds" if accelerator.distributed_type == DistributedType.FSDP else "any_call"
 
 

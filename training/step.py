@@ -30,13 +30,15 @@ they let scripts/profile_step.py say in which phase the GPU sat idle."""
 PADDED_MODEL_KEYS = (*packed.MODEL_KEYS, "attention_mask")  # a padded batch: the pack's keys plus its mask
 VISION_KINDS = ("pixel_values", "pixel_values_videos")  # the model calls the vision tower once per kind present
 
-VisionAlignment = Literal["every_kind", "step_kinds", "any_call", "none"]
+VisionAlignment = Literal["every_kind", "step_kinds", "any_call"]
 """Which vision-tower calls a pack makes beyond its own (each extra one a dummy image contributing exactly 0):
 - every_kind: one per kind, always (two calls per pack), for a caller that knows nothing of its ranks;
 - step_kinds: one per kind that any rank's pack of the micro-step holds (the batch's STEP_VISION; every_kind
   without it): FSDP2 all-gathers per call, unit by unit, so the ranks' calls must pair up;
-- any_call: at least one (DDP: every vision parameter must be used on every rank in every step);
-- none: only the pack's own (one process: nothing to align with).
+- any_call: one dummy for a pack with no image and no video, else none (one process, DDP).
+Every pack makes at least one call, so every vision parameter gets a gradient (0 for a text-only pack) in every
+step, whatever the layout: AdamW steps a zero gradient (momentum, weight decay) but skips a missing one, so one GPU,
+DDP and FSDP2 train the same weights only if no layout leaves the gradient out (DDP's reducer also needs it).
 A dummy call costs ~460 tiny launches that the GPU waits for: ~0.1 s a step on the 3B bench shape (measured)."""
 
 
@@ -104,12 +106,11 @@ class TrainModule(nn.Module):
     def dummy_vision_calls(self, batch: dict) -> int:
         """How many dummy images this pack sends through the vision tower (VisionAlignment)."""
         missing = [not context_parallel.has_vision(batch, key) for key in VISION_KINDS]
-        if self.vision_alignment == "none":
-            return 0
         if self.vision_alignment == "any_call":
             return int(all(missing))
         if self.vision_alignment == "step_kinds" and STEP_VISION in batch:
-            return sum(absent and any_rank for absent, any_rank in zip(missing, batch[STEP_VISION], strict=True))
+            calls = sum(absent and any_rank for absent, any_rank in zip(missing, batch[STEP_VISION], strict=True))
+            return max(calls, int(all(missing)))  # no rank holds any vision input: every rank makes one dummy
         return sum(missing)
 
     def forward(self, batch: dict) -> torch.Tensor:
