@@ -174,7 +174,8 @@ def test_fla_backend_runs_single_sequences_through_the_same_kernels(guarded_gpu,
     assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "fla"
     seen = []
 
-    def recording(module, hidden_states, cu_seqlens):
+    def recording(module, hidden_states, cu_seqlens, lengths):
+        assert lengths == (cu_seqlens[-1].item(),)  # the host lengths fla's chunk table is built from
         seen.append(cu_seqlens.tolist())
         return getattr(module, gated_delta._PATCH_ATTR)(hidden_states)
 
