@@ -162,14 +162,20 @@ def test_context_parallel_equals_one_process_per_family(model_results, family):
 
 
 @pytest.mark.slow
-def test_training_with_context_parallel_matches_one_process(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+def test_training_with_context_parallel_matches_one_process(tmp_path, family):
     """`accelerate launch` of two processes with parallel.context=2 (one data-parallel rank) logs the loss and
     gradient norm of one process training the same packs, step by step: the label count is summed over the context
-    group and DDP's average over both ranks is turned back into the sum of their shares."""
+    group and DDP's average over both ranks is turned back into the sum of their shares, Gated DeltaNet parameters
+    (each rank's gradient from its own rows of the whole-pack layer) included."""
     data, cache = write_mixed_dataset(tmp_path / "data"), tmp_path / "cache"
+    # Both records in every pack: on a text-only pack the two processes' dummy image (DDP) gives the vision tower
+    # zero gradients, which AdamW steps with its momentum, where one process has none and skips those parameters.
     common = ["packing.balance_window_steps=1", "checkpoint.export=false", "checkpoint.every_steps=0"]
-    context = launch(2, tmp_path / "cp2", data, cache, *common, "parallel.context=2")
-    launch(1, tmp_path / "cp1", data, cache, *common)
+    common.append("packing.max_tokens=400")
+    recipe = f"recipes/tiny-{family}.yaml"
+    context = launch(2, tmp_path / "cp2", data, cache, *common, "parallel.context=2", recipe=recipe)
+    launch(1, tmp_path / "cp1", data, cache, *common, recipe=recipe)
     assert context["num_processes"] == 2
     cp2, cp1 = step_records(tmp_path / "cp2"), step_records(tmp_path / "cp1")
     assert sorted(cp2) == sorted(cp1)
