@@ -296,3 +296,37 @@ def test_gated_delta_shard_equals_whole_pack_rows(monkeypatch, tiny_model, conte
     for name, parameter in layer.named_parameters():
         scale = expected[name].abs().max().clamp(min=floor)
         assert (parameter.grad - expected[name]).abs().max() / scale < RELATIVE_TOLERANCE[torch.float32], name
+
+
+def test_gated_delta_shard_takes_fla_with_the_padded_packs_boundaries(monkeypatch, tiny_model):
+    """With the fla backend (CUDA, half precision), a shard's Gated DeltaNet call runs fla's varlen forward once, on
+    the gathered whole padded pack with the padded samples' cu_seqlens and lengths, and keeps the rank's rows.
+    (fla itself is stubbed by the identity: this checks what it is given.)"""
+    from training import gated_delta
+
+    model = tiny_model("qwen3_5", dtype="bfloat16")
+    packed.enable_packed_forward(model, "torch")
+    layer = gated_delta.gated_delta_layers(model)[0]
+    lengths = [37, 1, 9]
+    batch = synthetic_pack(lengths)
+    shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
+    total = len(shards[0]["cp_gather_order"])
+    hidden = torch.arange(total, dtype=torch.bfloat16)[None, :, None].expand(1, total, layer.hidden_size)
+    gathered = torch.cat([hidden[0, s["cp_local_index"]] for s in shards])
+    monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
+    calls = []
+
+    def fla_stub(module, hidden_states, cu_seqlens, lengths):
+        calls.append((hidden_states, cu_seqlens, lengths))
+        return hidden_states
+
+    monkeypatch.setattr(gated_delta, "_fla_varlen_forward", fla_stub)
+    for shard in shards:
+        cp = context_parallel.context_shard(shard, group=None, device=torch.device("cpu"))
+        index = shard["cp_local_index"]
+        out = gated_delta.packed_gated_delta_forward(
+            layer, packed.PACK_KWARG, "fla", hidden[:, index], **{packed.PACK_KWARG: cp}
+        )
+        whole, cu_seqlens, padded = calls.pop()
+        assert torch.equal(whole, hidden) and torch.equal(out, hidden[:, index])
+        assert padded == (40, 4, 12) and cu_seqlens.tolist() == [0, 40, 44, 56]
