@@ -4,8 +4,9 @@
   losses and gradients (summed over the context group, as DDP's average times the world size does) and their logits
   equal one process's on the same pack, in fp32; for Qwen2.5-VL also under FSDP2 (torch's fully_shard per layer, as
   accelerate's FSDP2 path wraps).
-- Training level: `accelerate launch` with two processes and parallel.context=2 logs the same loss and gradient norm
-  per step as one process on the same packs (the loss normalisation and DDP's averaging over context ranks).
+- Training level (Qwen2.5-VL and Qwen3.5): `accelerate launch` with two processes and parallel.context=2 logs the
+  same loss and gradient norm per step as one process on the same packs (the loss normalisation and DDP's averaging
+  over context ranks).
 """
 
 from __future__ import annotations
