@@ -69,13 +69,13 @@ def write_mixed_dataset(directory: Path) -> Path:
     return path
 
 
-def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str) -> dict:
-    """train.py in `nproc` processes (`accelerate launch` with recipes/accelerate/ddp.yaml when nproc > 1);
-    returns its summary.json."""
+def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str, recipe: str = TINY) -> dict:
+    """train.py on `recipe` in `nproc` processes (`accelerate launch` with recipes/accelerate/ddp.yaml when
+    nproc > 1); returns its summary.json."""
     train_args = [
         "train.py",
         "--config",
-        TINY,
+        recipe,
         *COMMON,
         f"data.path={data}",
         f"data.cache_dir={cache}",

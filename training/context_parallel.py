@@ -32,8 +32,17 @@ summed over all ranks and multiplies by the world size, and DDP/FSDP average ove
 sum over context ranks (each holds its tokens' share of every parameter's gradient) averaged over data-parallel
 ranks, i.e. the gradient of the global batch's mean token loss.
 
-Not supported: Qwen3.5's Gated DeltaNet layers (their recurrent and conv state would have to flow from rank to rank
-through the document), and padded (non-packed) batches.
+Gated DeltaNet (Qwen3.5, `training/gated_delta.py`): all-gather the layer's input. Its causal conv and recurrent
+state run along each whole document, so a layer all-gathers its input hidden states over the group
+(`gather_sequence`), puts them in padded-pack order (`ContextShard.gather_order`), runs its boundary-exact forward
+on the whole padded pack (`padded_lengths` / `padded_cu_seqlens`: each document with its pads at its end, which
+being causal and last change no real token) and keeps this rank's rows (`local_index`). Exact, but every rank
+computes (and keeps the activations of) the whole pack's Gated DeltaNet layers: those layers do not shrink with
+CP; attention layers, MLPs and the loss do. A rank's gradient of the layer's parameters comes from its own output
+rows only, and backward of the gather sends every rank's gradient of each input row back to the rank that owns it,
+so the context group's summed gradients are the single-process ones, as for attention.
+
+Not supported: padded (non-packed) batches.
 """
 
 from __future__ import annotations
@@ -74,18 +83,6 @@ def layout(rank: int, world_size: int, context_size: int) -> ContextLayout:
     return ContextLayout(rank // context_size, world_size // context_size, rank % context_size, context_size)
 
 
-def check_supported(model: torch.nn.Module, context_size: int, gated_delta_backend: str | None) -> None:
-    """Raise ConfigError for a model context parallelism cannot train exactly: one with Gated DeltaNet layers
-    (`gated_delta_backend` is what training.packed.enable_packed_forward returned: None when it has none)."""
-    if context_size > 1 and gated_delta_backend is not None:
-        raise ConfigError(
-            f"parallel.context={context_size}: {model.config.model_type} has Gated DeltaNet layers, whose recurrent "
-            "and convolution state would have to pass from context rank to context rank along each sample; context "
-            "parallelism supports the attention-only families (qwen2_vl, qwen2_5_vl, qwen3_vl, qwen3_vl_moe). Use "
-            "parallel.context=1."
-        )
-
-
 def new_context_group(world_size: int, context_size: int) -> dist.ProcessGroup:
     """This rank's context group. Every rank creates every group (torch requires it), in the same order."""
     rank, mine = dist.get_rank(), None
@@ -106,6 +103,9 @@ class ContextShard:
     max_seqlen_q / max_seqlen_k: Python ints. q_lengths / k_lengths: the same boundaries as Python ints for the
     per-segment path. visual_rows: long (V_local,), for this rank's vision tokens in order, their row in the
     pack's vision features (Qwen3-VL deepstack).
+    For Gated DeltaNet layers (whole padded pack): gather_order: long (Tp,), for each position of the padded pack,
+    its row in the all-gathered (rank-major) tensor. padded_cu_seqlens: int32 (n+1,), the padded documents'
+    boundaries; padded_lengths: their lengths as Python ints.
     """
 
     group: dist.ProcessGroup
@@ -118,6 +118,9 @@ class ContextShard:
     q_lengths: tuple[int, ...]
     k_lengths: tuple[int, ...]
     visual_rows: torch.Tensor
+    gather_order: torch.Tensor
+    padded_cu_seqlens: torch.Tensor
+    padded_lengths: tuple[int, ...]
 
 
 def zigzag_indices(lengths: list[int], context_size: int) -> tuple[list[int], list[np.ndarray]]:
@@ -162,7 +165,8 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
     cp_video_rows (long) and cp_image_width / cp_video_width (int) say where each merged token of the pack's images
     lies in the gathered features (`vision_features`); those keys exist only for a kind the pack has.
     Added: cp_local_index, cp_kv_index (long), cp_cu_seqlens_q / cp_cu_seqlens_k (int32), cp_max_seqlen_q /
-    cp_max_seqlen_k, cp_q_lengths / cp_k_lengths (Python ints), cp_visual_rows (long), context_rank.
+    cp_max_seqlen_k, cp_q_lengths / cp_k_lengths (Python ints), cp_visual_rows (long), cp_gather_order (long (Tp,)),
+    cp_padded_cu_seqlens (int32) and cp_padded_lengths (Python ints), context_rank.
     num_label_tokens is this rank's; the other counts (tokens, patches, sample_lengths) stay the pack's, and the
     metrics count them on context rank 0 only. seq_idx and the whole-pack cu_seqlens / max_seqlen are dropped.
     `spatial_merge_size`: the vision config's (patches per merged token = its square).
@@ -183,7 +187,8 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
     shift_labels = _pad_documents(batch["shift_labels"].numpy(), lengths, padded, pad_with(IGNORE_INDEX))
     positions = _pad_documents(batch["position_ids"].numpy(), lengths, padded, continue_positions)
 
-    # Rows of the all-gathered keys (rank s's local token j is row s·T_local + j) for each padded-pack position.
+    # Rows of the all-gathered tensors (rank s's local token j is row s·T_local + j) for each padded-pack position:
+    # the keys' prefixes below, and the whole padded pack of a Gated DeltaNet layer (cp_gather_order).
     gathered_row = np.empty(sum(padded), dtype=np.int64)
     for s, index in enumerate(per_rank):
         gathered_row[index] = s * len(index) + np.arange(len(index))
@@ -215,6 +220,9 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
         cp_q_lengths=q_lengths,
         cp_k_lengths=k_lengths,
         cp_visual_rows=torch.from_numpy(np.ascontiguousarray(visual_rows)),
+        cp_gather_order=torch.from_numpy(gathered_row),
+        cp_padded_cu_seqlens=torch.from_numpy(np.concatenate([[0], np.cumsum(padded)]).astype(np.int32)),
+        cp_padded_lengths=padded,
         context_rank=context_rank,
         num_label_tokens=int((local_labels != IGNORE_INDEX).sum()),
     )
@@ -271,6 +279,9 @@ def context_shard(batch: dict, group: dist.ProcessGroup, device: torch.device) -
         q_lengths=tuple(int(x) for x in batch["cp_q_lengths"]),
         k_lengths=tuple(int(x) for x in batch["cp_k_lengths"]),
         visual_rows=on_device("cp_visual_rows", torch.long),
+        gather_order=on_device("cp_gather_order", torch.long),
+        padded_cu_seqlens=on_device("cp_padded_cu_seqlens", torch.int32),
+        padded_lengths=tuple(int(x) for x in batch["cp_padded_lengths"]),
     )
 
 

@@ -15,6 +15,10 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
   pack's host-side lengths: no sync.
   Cost: at most 2x the pack's tokens through the layer (64 at least per sample), a few batched calls per layer.
 
+Under context parallelism (the pack keyword is a training.context_parallel.ContextShard: this rank's zig-zag
+chunks of the pack) the layer all-gathers its input over the context group, runs the forward above on the whole
+padded pack with its padded documents' boundaries, and keeps this rank's rows (`_context_parallel_forward`).
+
 Under both backends the layers' module calls transformers' own torch delta rule (it would otherwise pick fla
 whenever fla imports), so the layer's original forward (padded batches, fp32 calls) stays the torch math.
 
@@ -41,7 +45,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from training import gated_delta_check
+from training import context_parallel, gated_delta_check
 from training.gated_delta_check import GatedDeltaDims
 
 log = logging.getLogger(__name__)
@@ -248,6 +252,29 @@ def _fla_varlen_forward(
     return module.out_proj(core)
 
 
+def _context_parallel_forward(
+    whole_pack_forward: Callable[[torch.Tensor], torch.Tensor],
+    hidden_states: torch.Tensor,
+    shard: context_parallel.ContextShard,
+) -> torch.Tensor:
+    """This rank's rows of `whole_pack_forward` run on the whole padded pack. (1, T_local, hidden) → (1, T_local,
+    hidden).
+
+    The input is all-gathered over the context group (rank-major), put in padded-pack order by `gather_order` and
+    given to `whole_pack_forward` ((1, Tp, hidden) → (1, Tp, hidden), restarting at the padded documents'
+    boundaries); `local_index` keeps this rank's rows. Every rank computes the whole layer, but a rank's gradient
+    reaches the parameters only through its own rows, and backward of the gather returns the gradient of each input
+    row, summed over the ranks, to the rank that owns it: the group's summed gradients are the whole pack's.
+    """
+    if hidden_states.shape[1] != shard.local_index.shape[0]:
+        raise ValueError(
+            f"the context shard has {shard.local_index.shape[0]} tokens, the layer got {hidden_states.shape[1]}."
+        )
+    gathered = context_parallel.gather_sequence(hidden_states[0], shard.group)
+    whole = whole_pack_forward(gathered.index_select(0, shard.gather_order).unsqueeze(0))
+    return whole[0].index_select(0, shard.local_index).unsqueeze(0)
+
+
 def packed_gated_delta_forward(
     module: torch.nn.Module,
     pack_kwarg: str,
@@ -259,7 +286,9 @@ def packed_gated_delta_forward(
 ) -> torch.Tensor:
     """Gated DeltaNet forward that restarts conv and recurrent state at every sample of a pack.
 
-    hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a training.packed.PackedSeqlens) → (1, T, hidden).
+    hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a training.packed.PackedSeqlens) → (1, T, hidden); with a
+    training.context_parallel.ContextShard instead, this rank's (1, T_local, hidden) → (1, T_local, hidden), computed
+    on the whole padded pack (`_context_parallel_forward`).
     Without a pack, the fla backend runs one unpadded sequence (batch 1, no mask, no cache) through the same fla
     kernels as a pack of one sample, so per-sample and packed training differ only in their boundaries (transformers'
     own forward would convolve with torch); anything else (padded batches, a cache, the torch backend) is the layer's
@@ -278,12 +307,20 @@ def packed_gated_delta_forward(
         raise ValueError("packed Gated DeltaNet runs without a cache: call the model with use_cache=False.")
     if attention_mask is not None:
         raise ValueError("a packed batch has no padding mask; pass either packed_seqlens or attention_mask.")
+    for flat_boundaries in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
+        kwargs.pop(flat_boundaries, None)  # the pack's lengths carry the boundaries here
+    if isinstance(pack, context_parallel.ContextShard):
+        if backend == "fla":
+            whole_pack = functools.partial(
+                _fla_varlen_forward, module, cu_seqlens=pack.padded_cu_seqlens, lengths=pack.padded_lengths
+            )
+        else:
+            whole_pack = functools.partial(_forward_as_rows, original, lengths=pack.padded_lengths, **kwargs)
+        return _context_parallel_forward(whole_pack, hidden_states, pack)
     if pack.total_tokens != hidden_states.shape[1]:
         raise ValueError(f"packed_seqlens covers {pack.total_tokens} tokens, the layer got {hidden_states.shape[1]}.")
     if backend == "fla":
         return _fla_varlen_forward(module, hidden_states, pack.cu_seqlens, pack.sample_lengths)
-    for flat_boundaries in ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx"):
-        kwargs.pop(flat_boundaries, None)  # rows carry the boundaries here
     return _forward_as_rows(original, hidden_states, pack.sample_lengths, **kwargs)
 
 

@@ -93,11 +93,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             cfg.kernels.mrope,
             accelerator.device.type,
         )
-    gated_delta_backend = enable_packed_forward(
-        model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype)
-    )
+    enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
     if cp.context_size > 1:
-        context_parallel.check_supported(model, cp.context_size, gated_delta_backend)
         group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
         context_parallel.enable_context_parallel(model, group, PACK_KWARG)
         log.info(
