@@ -330,3 +330,23 @@ def test_gated_delta_shard_takes_fla_with_the_padded_packs_boundaries(monkeypatc
         whole, cu_seqlens, padded = calls.pop()
         assert torch.equal(whole, hidden) and torch.equal(out, hidden[:, index])
         assert padded == (40, 4, 12) and cu_seqlens.tolist() == [0, 40, 44, 56]
+
+
+def test_runs_saved_before_parallel_existed_resume_unchanged(tmp_path):
+    """A run directory whose config.yaml predates the `parallel` section resumes with parallel.context=1 as no
+    change (it is what that run did), while asking it for context parallelism is a change that breaks exactness."""
+    import yaml
+
+    from core import config_tree
+    from training import resume
+
+    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml")
+    config_tree.save(cfg, tmp_path / "config.yaml")
+    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    del saved["parallel"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(saved))
+    assert resume.check_config(cfg, tmp_path, resuming=True, allow_changes=False) == {}
+    with pytest.raises(ConfigError, match=r"parallel\.context"):
+        resume.check_config(
+            load_config("recipes/tiny-qwen2_5_vl.yaml", ["parallel.context=2"]), tmp_path, True, allow_changes=False
+        )

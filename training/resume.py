@@ -67,6 +67,9 @@ def check_config(cfg: Config, run_dir: Path, resuming: bool, allow_changes: bool
     before = yaml.safe_load(saved.read_text()) or {}
     before.setdefault("checkpoint", {})["resume"] = current["checkpoint"]["resume"]  # --resume itself
     changes = config_changes(before, current)
+    # A key the run's version did not have yet, now at its default (e.g. parallel.context=1), is what the run did.
+    saved_keys, defaults = _flat(before), _flat(config_tree.to_dict(Config()))
+    changes = {k: v for k, v in changes.items() if k in saved_keys or v[1] != defaults.get(k, v[0])}
     breaking = {k: v for k, v in changes.items() if not k.startswith(SAFE_TO_CHANGE)}
     if breaking and not allow_changes:
         raise ConfigError(
