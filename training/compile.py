@@ -109,6 +109,11 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
+    if mixers:
+        log.warning(
+            "train.compile on a model with Gated DeltaNet layers: the one measured Qwen3.5 run with it was slower than "
+            "the same shape without it (docs/benchmarks.md, fifth session); compare both before keeping it on"
+        )
     return report
 
 
