@@ -111,8 +111,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     log.info("%s", report)
     if mixers:
         log.warning(
-            "train.compile on a model with Gated DeltaNet layers: the one measured Qwen3.5 run with it was slower than "
-            "the same shape without it (docs/benchmarks.md, fifth session); compare both before keeping it on"
+            "train.compile on a model with Gated DeltaNet layers: the one measured Qwen3.5 run with it (and "
+            "train.master_weights=optimizer) was slower than an earlier run with neither (docs/benchmarks.md, fifth "
+            "session); compare both before keeping it on"
         )
     return report
 
