@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-gpu gpu-suite gpu-rope lint format bench smoke-test compare profile inspect-data verify-packing clean
+.PHONY: help install test test-gpu gpu-suite gpu-rope gpu-cp lint format bench smoke-test compare profile inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -32,6 +32,9 @@ gpu-suite:  ## every GPU check and benchmark in one go (logs and JSON in artifac
 
 gpu-rope:  ## rope kernels on one GPU: GPU tests, kernel benchmark, 3B/8B/Qwen3.5 comparisons with repeats (artifacts/gpu-rope)
 	bash scripts/gpu_rope_suite.sh artifacts/gpu-rope
+
+gpu-cp:  ## context parallelism on two GPUs: GPU test, CP=2 vs CP=1 exactness, speed, longest sample (artifacts/gpu-cp)
+	bash scripts/gpu_cp_suite.sh artifacts/gpu-cp
 
 lint: install  ## ruff, line length 120
 	$(VENV)/bin/ruff check .
