@@ -207,8 +207,24 @@ def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, contex
         torch.testing.assert_close(out.float(), reference[index].float(), rtol=0, atol=atol)
 
 
-def test_vision_shard_deals_images_round_robin_and_gathers_them_back_in_pack_order():
-    """Image i goes to context rank i % CP with exactly its patch rows; the rows each rank would gather (every
+@pytest.mark.parametrize(
+    "patches, context_size, owners",
+    [
+        ([16, 8, 32], 2, [1, 1, 0]),
+        ([1024, 256, 256, 256, 256, 512], 2, [0, 1, 1, 0, 1, 1]),
+        ([64, 64, 64, 64], 3, [0, 1, 2, 0]),
+        ([5], 4, [0]),
+    ],
+)
+def test_vision_items_are_dealt_largest_first_to_the_least_loaded_rank(patches, context_size, owners):
+    """Largest first to the rank with the fewest patches (ties to the lower rank): [1024, 256 x 4, 512] splits
+    1280 / 1280 where dealing by count would give 1536 / 1024."""
+    assert context_parallel.deal_by_patches(patches, context_size) == owners
+
+
+def test_vision_shard_deals_images_by_patches_and_gathers_them_back_in_pack_order():
+    """Each image goes to the context rank `deal_by_patches` names (the 32-patch image alone on rank 0, the 16- and
+    8-patch ones on rank 1) with exactly its patch rows, in pack order; the rows each rank would gather (every
     rank's merged tokens padded to the widest rank, rank-major) put every merged token of the pack back in pack
     order; a rank owning no video gets none (and runs a dummy), while the video's rows still cover it."""
     batch = synthetic_pack([40, 30])
@@ -220,16 +236,17 @@ def test_vision_shard_deals_images_round_robin_and_gathers_them_back_in_pack_ord
     batch["pixel_values_videos"] = torch.zeros(8, 3)
     shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
     starts = torch.cat([torch.zeros(1, dtype=torch.long), patches.cumsum(0)])
+    owned = [[2], [0, 1]]
     for r, shard in enumerate(shards):
-        mine = [i for i in range(3) if i % 2 == r]
-        expected = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in mine]).float()
+        expected = torch.cat([torch.arange(starts[i], starts[i + 1]) for i in owned[r]]).float()
         assert torch.equal(shard["pixel_values"][:, 0], expected)
-        assert torch.equal(shard["cp_image_grid_thw"], grids[mine])
+        assert torch.equal(shard["cp_image_grid_thw"], grids[owned[r]])
         assert torch.equal(shard["image_grid_thw"], grids)
     merged = (patches // MERGE**2).tolist()
     first = [sum(merged[:i]) for i in range(3)]
     width = shards[0]["cp_image_width"]
-    local = [torch.cat([torch.arange(first[i], first[i] + merged[i]) for i in range(r, 3, 2)]) for r in range(2)]
+    assert width == max(sum(merged[i] for i in mine) for mine in owned)
+    local = [torch.cat([torch.arange(first[i], first[i] + merged[i]) for i in mine]) for mine in owned]
     gathered = torch.cat([torch.nn.functional.pad(t, (0, width - len(t)), value=-1) for t in local])
     for shard in shards:
         assert torch.equal(gathered[shard["cp_image_rows"]], torch.arange(sum(merged)))

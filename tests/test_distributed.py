@@ -202,13 +202,17 @@ def test_master_weights_in_the_optimizer_is_refused_under_ddp(tmp_path):
 def test_fsdp_gradients_reduce_in_fp32_and_cpu_hosts_form_a_group(monkeypatch):
     """Under FSDP (as `accelerate launch` with fsdp2.yaml sets it) parameters are gathered in the compute dtype and
     gradients reduce-scattered in fp32, while the rest of the FSDP settings still come from the launcher; without
-    CUDA the Accelerator is told to use the CPU (else no gloo group forms)."""
+    CUDA the Accelerator is told to use the CPU (else no gloo group forms). Under DDP the gradients are views into
+    DDP's buckets (no second fp32 copy of every gradient; the two-process runs above train with it)."""
     import torch
 
     from training.distributed import accelerator_kwargs
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert accelerator_kwargs("bfloat16") == {"cpu": not torch.cuda.is_available()}
+    kwargs = accelerator_kwargs("bfloat16")
+    assert kwargs["cpu"] == (not torch.cuda.is_available())
+    (ddp,) = kwargs.pop("kwargs_handlers")
+    assert ddp.to_kwargs() == {"gradient_as_bucket_view": True} and set(kwargs) == {"cpu"}
     for key, value in {
         "ACCELERATE_USE_FSDP": "true",
         "FSDP_VERSION": "2",
