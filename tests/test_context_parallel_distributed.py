@@ -57,7 +57,7 @@ def module_for(family, on=device):
     model_cfg = load_config(f"{root}/recipes/tiny-{{family}}.yaml", ["model.dtype=float32"]).model
     model = build_model(model_cfg, seed=0).to(on)
     enable_packed_forward(model, "torch")
-    return TrainModule(model)
+    return TrainModule(model).to(on)  # its dummy image buffers too
 
 def precision(name):
     # bf16 as training computes it: fp32 weights under a bf16 autocast; fp32 in IEEE (no TF32 anywhere)
@@ -234,18 +234,23 @@ def test_context_parallel_equals_one_gpu_per_family_on_two_gpus(tmp_path, monkey
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
-def test_training_with_context_parallel_matches_one_process(tmp_path, family):
+@pytest.mark.parametrize(
+    "family, layout", [("qwen2_5_vl", "ddp"), ("qwen3_5", "ddp"), ("qwen2_5_vl", "fsdp2")], ids="-".join
+)
+def test_training_with_context_parallel_matches_one_process(tmp_path, family, layout):
     """`accelerate launch` of two processes with parallel.context=2 (one data-parallel rank) logs the loss and
     gradient norm of one process training the same packs, step by step: the label count is summed over the context
-    group and DDP's average over both ranks is turned back into the sum of their shares, Gated DeltaNet parameters
-    (each rank's gradient from its own rows of the whole-pack layer) included."""
+    group and DDP's (FSDP2's) average over both ranks is turned back into the sum of their shares, Gated DeltaNet
+    parameters (each rank's gradient from its own rows of the whole-pack layer) included. Under FSDP2 the two
+    context ranks also shard the model's states between them, with activation checkpointing on."""
     data, cache = write_mixed_dataset(tmp_path / "data"), tmp_path / "cache"
     # Some packs are text only: one process and both ranks send a dummy image through the tower there, so the
     # vision parameters get zero gradients (which AdamW steps) in both runs alike (training/step.py).
     common = ["packing.balance_window_steps=1", "checkpoint.export=false", "checkpoint.every_steps=0"]
     recipe = f"recipes/tiny-{family}.yaml"
-    context = launch(2, tmp_path / "cp2", data, cache, *common, "parallel.context=2", recipe=recipe)
+    if layout == "fsdp2":
+        common += ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
+    context = launch(2, tmp_path / "cp2", data, cache, *common, "parallel.context=2", recipe=recipe, layout=layout)
     launch(1, tmp_path / "cp1", data, cache, *common, recipe=recipe)
     assert context["num_processes"] == 2
     cp2, cp1 = step_records(tmp_path / "cp2"), step_records(tmp_path / "cp1")

@@ -69,8 +69,10 @@ def write_mixed_dataset(directory: Path) -> Path:
     return path
 
 
-def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str, recipe: str = TINY) -> dict:
-    """train.py on `recipe` in `nproc` processes (`accelerate launch` with recipes/accelerate/ddp.yaml when
+def launch(
+    nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str, recipe: str = TINY, layout: str = "ddp"
+) -> dict:
+    """train.py on `recipe` in `nproc` processes (`accelerate launch` with recipes/accelerate/<layout>.yaml when
     nproc > 1); returns its summary.json."""
     train_args = [
         "train.py",
@@ -84,7 +86,7 @@ def launch(nproc: int, run_dir: Path, data: Path, cache: Path, *overrides: str, 
     ]
     command = [sys.executable, *train_args]
     if nproc > 1:  # the repo's own DDP config: on a host without CUDA, train.py asks accelerate for gloo on the CPU
-        launcher = ["-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/ddp.yaml"]
+        launcher = ["-m", "accelerate.commands.launch", "--config_file", f"recipes/accelerate/{layout}.yaml"]
         command[1:1] = [*launcher, f"--num_processes={nproc}", f"--main_process_port={free_port()}"]
     run_dir.mkdir(parents=True, exist_ok=True)
     run_processes(command, run_dir.parent / f"{run_dir.name}.log", f"{nproc}-process run")
