@@ -234,9 +234,9 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
 
 def deal_by_patches(patches: list[int], context_size: int) -> list[int]:
     """The context rank that encodes each image (video): largest first, each to the rank with the fewest patches so
-    far (ties to the lower rank), so the ranks' vision work and activations stay even when sizes differ (dealing by
-    count left one rank ~4 GiB heavier on the 3B shape's 256-1024-token images). Every rank computes the same
-    deal from the pack alone."""
+    far (ties to the lower rank), so the ranks' vision work stays even when image sizes differ (dealing by count can
+    give one rank most of the large images; the other then waits at the feature all-gather). Every rank computes
+    the same deal from the pack alone."""
     load, owner = [0] * context_size, [0] * len(patches)
     for item in sorted(range(len(patches)), key=lambda i: -patches[i]):
         owner[item] = min(range(context_size), key=lambda rank: load[rank])
