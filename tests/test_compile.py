@@ -11,11 +11,13 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
@@ -84,7 +86,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> Non
     assert error <= TOLERANCE * max(1.0, expected.abs().max().item()), f"{name}: max error {error:.3g}"
 
 
-@pytest.mark.parametrize(("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen3_5", False), ("qwen3_5", True)])
+@pytest.mark.parametrize(
+    ("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
+)
 def test_compiled_blocks_equal_eager(tiny_model, tiny_samples, family, checkpointing):
     """Loss and every parameter gradient of compiled blocks equal the eager model's (fp32) over packs of different
     shapes: Qwen2.5-VL's windowed and full-attention ViT blocks, Qwen3.5's decoder layers around eager Gated DeltaNet
@@ -151,7 +155,7 @@ def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_s
     layer = next(b for b in model.model.language_model.layers if gated_delta.gated_delta_layers(b))
     batch = pack_samples(model, tiny_samples(model, PACKS[0]))
     args, kwargs = _first_call_inputs(model, layer, batch)
-    explanation = torch._dynamo.explain(layer._call_impl)(*args, **kwargs)
+    explanation = torch._dynamo.explain(regional._own_forward(layer))(*args, **kwargs)
     assert explanation.graph_break_count == 1
     assert "Gated DeltaNet runs eagerly" in str(explanation.break_reasons[0])
 
@@ -176,10 +180,67 @@ def test_packs_of_new_shapes_reuse_the_first_graphs(tiny_model, tiny_samples, fa
     assert compiled_graphs(counter) == first_pack_graphs
 
 
+class GraphRuns:
+    """An aot_eager-like backend that counts how often the compiled forward and backward graphs run."""
+
+    def __init__(self):
+        self.runs = Counter()
+        self.backend = aot_autograd(fw_compiler=self._counted("forward"), bw_compiler=self._counted("backward"))
+
+    def _counted(self, kind: str):
+        def compiler(graph: torch.fx.GraphModule, _example_inputs):
+            def run(args):
+                self.runs[kind] += 1
+                return graph(*args)
+
+            run._boxed_call = True
+            return run
+
+        return compiler
+
+
+def _set_checkpointing(blocks: list[torch.nn.Module], enabled: bool) -> None:
+    for block in blocks:
+        block.gradient_checkpointing = enabled
+
+
+@pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+def test_checkpointing_replays_the_compiled_forward(tiny_model, tiny_samples, family):
+    """With gradient checkpointing on (text layers and ViT blocks), every block runs compiled code in the forward and
+    again in the backward's recompute: per pack, every block runs its compiled forward graphs (one, or two around an
+    eager Gated DeltaNet mixer) once with checkpointing off and twice with it on, and the backward graphs once either
+    way, so no block falls back to eager. Turning checkpointing on or off and packs of new shapes compile nothing;
+    loss and gradients are the same either way. Qwen3.5 included: a checkpoint traced inside the compiled region
+    cannot hold the mixer's graph break, and its whole layer ran eagerly."""
+    model = packed_model(tiny_model, family, checkpointing=True)
+    blocks = [*model.model.language_model.layers, *model.model.visual.blocks]
+    counter = GraphRuns()
+    report = regional.compile_blocks(model, backend=counter.backend)
+    graphs_per_pack = len(report.fullgraph) + 2 * len(report.with_eager_mixer)
+    batches = [pack_samples(model, tiny_samples(model, specs, seed=seed)) for seed, specs in enumerate(PACKS[:3])]
+    loss_and_grads(model, batches[0])
+    results, runs = {}, {}
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        for checkpointing in (False, True):
+            _set_checkpointing(blocks, checkpointing)
+            counter.runs.clear()
+            results[checkpointing] = loss_and_grads(model, batches[1])
+            runs[checkpointing] = dict(counter.runs)
+        loss_and_grads(model, batches[2])
+    assert runs[False] == {"forward": graphs_per_pack, "backward": graphs_per_pack}
+    assert runs[True] == {"forward": 2 * graphs_per_pack, "backward": graphs_per_pack}
+    (loss, grads), (expected_loss, expected_grads) = results[True], results[False]
+    assert_close(loss, expected_loss, "loss")
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert_close(grad, expected_grads[name], name)
+
+
 def test_uncompile_restores_eager_blocks(tiny_model):
-    """`uncompile_blocks` undoes `compile_blocks`: no block keeps a compiled call, the Gated DeltaNet mixers get
-    the packed forward back; compiling twice is refused."""
+    """`uncompile_blocks` undoes `compile_blocks`: no block keeps a forward of its own (the compiled one), the Gated
+    DeltaNet mixers get the packed forward back; compiling twice is refused."""
     model = packed_model(tiny_model, "qwen3_5")
+    blocks = [*model.model.language_model.layers, *model.model.visual.blocks]
     mixers = gated_delta.gated_delta_layers(model)
     packed_forwards = [m.forward for m in mixers]
     report = regional.compile_blocks(model, backend="aot_eager")
@@ -189,8 +250,9 @@ def test_uncompile_restores_eager_blocks(tiny_model):
     assert len(report.eager_mixers) == len(mixers)
     with pytest.raises(ValueError, match="already compiled"):
         regional.compile_blocks(model, backend="aot_eager")
+    assert all("forward" in block.__dict__ for block in blocks)
     regional.uncompile_blocks(model)
-    assert not any("_compiled_call_impl" in m.__dict__ for m in model.modules())
+    assert not any("forward" in block.__dict__ for block in blocks)
     assert [m.forward for m in mixers] == packed_forwards
 
 
@@ -334,6 +396,7 @@ sys.path[:0] = [{root!r}, {tests!r}]
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import _build_tiny_model, _build_tiny_samples
 from test_compile import PACKS, compiled_graphs, loss_and_grads

@@ -24,17 +24,31 @@ traced, each would recompile for every pack. Their decoder layers compile with `
 residuals and MLP around the mixer still compile (two graphs per such layer). Also eager: embeddings, patch
 embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
 
+Gradient checkpointing stays outside the compiled region. What is compiled is the block's own forward (the class's,
+without transformers' checkpointing wrapper); the block's `forward` becomes an eager function that checkpoints the
+compiled forward when checkpointing is on and calls it directly otherwise. The backward's recompute therefore calls
+the same compiled forward again (no re-trace, no eager fallback), and a layer whose forward has a graph break (a
+Qwen3.5 Gated DeltaNet layer) still compiles around it. Compiling the module call instead (`_call_impl`, through
+transformers' wrapper) failed Qwen3.5 twice: under checkpointing dynamo traces the checkpoint as one higher-order op,
+which cannot hold a graph break, so every decoder layer ran eagerly, forward and recompute; and since every block's
+call was the wrapper's one code object, a full-attention layer reused a Gated DeltaNet layer's cached code (its
+guards never read the layer type) and ran eagerly even without checkpointing. Module hooks (FSDP2's) run eagerly
+around the compiled forward, outside the checkpoint, as transformers' own wrapper keeps them.
+
 Compilation happens lazily, at the first forward of each block: the first training step carries it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import types
 from collections.abc import Callable
 
 import torch
 from torch import nn
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from training import gated_delta
 from training.parts import inner_model
@@ -45,9 +59,10 @@ _STATE_ATTR = "_regional_compile"
 # Without duck shaping every dynamic size gets its own symbol: with it, sizes equal by chance in the first pack
 # (a sample count and a position count, say) are assumed equal, and the next pack recompiles.
 _DISTINCT_SYMBOLS = torch.fx.experimental._config.patch(use_duck_shape=False)
-# Every block's call is one code object (transformers' checkpointing wrapper), so dynamo's per-code recompile limit
-# (8) counts the variants of all blocks together: text layer, ViT block, windowed ViT block, a first block whose
-# input is a view, each in training and in eval (grad mode). Bounded (pack shapes add none), but more than 8.
+# The blocks of one class share one code object (their forward), so dynamo's per-code recompile limit (8) counts the
+# variants of all of them together: Qwen2.5-VL's windowed and full-attention ViT blocks, a first block whose input is
+# a view, Qwen3.5's linear- and full-attention layers, each in training and in eval (grad mode). Bounded (pack shapes
+# add none), but it can exceed 8.
 RECOMPILE_LIMIT = 64
 
 
@@ -69,12 +84,14 @@ class CompileReport:
 
 def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> CompileReport:
     """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
-    `model.model.visual.blocks` in place (as `nn.Module.compile` does, with dynamic shapes); call it after the rope
-    patch, the packed forward, freezing and gradient checkpointing, before accelerate wraps the model.
+    `model.model.visual.blocks` in place, with dynamic shapes; call it after the rope patch, the packed forward,
+    freezing and gradient checkpointing, before accelerate wraps the model.
 
-    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). Parameters, buffers and state-dict keys
-    are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting it an error. Raises
-    ValueError if the model is already compiled or has no such blocks. Undo with `uncompile_blocks(model)`.
+    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). Each block's own forward is compiled and
+    set as the block's `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
+    Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and
+    makes hitting it an error. Raises ValueError if the model is already compiled, has no such blocks, or a block
+    already has a forward of its own. Undo with `uncompile_blocks(model)`.
     """
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError("this model's blocks are already compiled.")
@@ -92,6 +109,8 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
             raise ValueError(f"{type(model).__name__} has no {prefix} to compile.")
         for index, block in enumerate(blocks):
             path = f"{prefix}.{index}"
+            if "forward" in block.__dict__:
+                raise ValueError(f"{path} has a forward of its own, which compile_blocks would replace.")
             block_mixers = [
                 (name, m) for name, m in block.named_modules() if m in gated_delta.gated_delta_layers(block)
             ]
@@ -100,8 +119,8 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
                 mixer._forward_before_compile = mixer.__dict__.get("forward")
                 mixer.forward = torch.compiler.disable(mixer.forward, reason="Gated DeltaNet runs eagerly")
                 mixers.append(f"{path}.{name}")
-            compiled = torch.compile(block._call_impl, backend=backend, dynamic=True, fullgraph=not block_mixers)
-            block._compiled_call_impl = _DISTINCT_SYMBOLS(compiled)
+            compiled = torch.compile(_own_forward(block), backend=backend, dynamic=True, fullgraph=not block_mixers)
+            block.forward = functools.partial(_checkpointed_forward, block, _DISTINCT_SYMBOLS(compiled))
             (with_mixer if block_mixers else fullgraph).append(path)
     # Past the limit dynamo would silently run the block eagerly: make that an error instead.
     torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, dynamo_config["recompile_limit"])
@@ -124,7 +143,7 @@ def uncompile_blocks(model: nn.Module) -> None:
     if report is None:
         raise ValueError("this model's blocks are not compiled.")
     for path in (*report.fullgraph, *report.with_eager_mixer):
-        del model.get_submodule(path)._compiled_call_impl
+        del model.get_submodule(path).forward
     for path in report.eager_mixers:
         mixer = model.get_submodule(path)
         previous = mixer.__dict__.pop("_forward_before_compile")
@@ -135,3 +154,23 @@ def uncompile_blocks(model: nn.Module) -> None:
     for name, value in report.dynamo_config.items():
         setattr(torch._dynamo.config, name, value)
     setattr(model, _STATE_ATTR, None)
+
+
+def _own_forward(block: nn.Module) -> Callable:
+    """`block`'s forward as its class defines it, bound to `block`, without transformers' checkpointing wrapper
+    (`GradientCheckpointingLayer` wraps every subclass's forward in one that checkpoints it)."""
+    forward = type(block).forward
+    if isinstance(block, GradientCheckpointingLayer):
+        forward = forward.__wrapped__
+    return types.MethodType(forward, block)
+
+
+def _checkpointed_forward(block: nn.Module, compiled: Callable, *args, **kwargs):
+    """What transformers' wrapper does, around the compiled forward: checkpoint it with the block's checkpoint
+    function while the block trains with checkpointing on (tensors positional, keywords bound), else call it. The
+    wrapper drops a KV cache under checkpointing; training passes none, and one here is refused."""
+    if not (getattr(block, "gradient_checkpointing", False) and block.training):
+        return compiled(*args, **kwargs)
+    if kwargs.get("past_key_values") is not None:
+        raise ValueError("a compiled block does not take a KV cache under gradient checkpointing (use_cache=False).")
+    return block._gradient_checkpointing_func(functools.partial(compiled, **kwargs), *args)
