@@ -256,6 +256,22 @@ def test_uncompile_restores_eager_blocks(tiny_model):
     assert [m.forward for m in mixers] == packed_forwards
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_compile_with_checkpointing_warns_of_the_measured_slowdown(tiny_model, caplog, checkpointing):
+    """Compiling a model whose blocks checkpoint logs a warning naming the GPU runs that were slower (only then)."""
+    model = packed_model(tiny_model, "qwen2_5_vl", checkpointing=checkpointing)
+    with caplog.at_level("WARNING", logger=regional.log.name):
+        regional.compile_blocks(model, backend="aot_eager")
+    regional.uncompile_blocks(model)
+    warned = [r.getMessage() for r in caplog.records if "activation checkpointing" in r.getMessage()]
+    blocks = len(model.model.language_model.layers) + len(model.model.visual.blocks)
+    if checkpointing:
+        assert len(warned) == 1 and warned[0].startswith(f"train.compile with activation checkpointing ({blocks} ")
+        assert "3,885 vs 12,635" in warned[0]
+    else:
+        assert warned == []
+
+
 def test_compile_is_off_by_default_in_every_recipe():
     """train.compile is opt-in: the default and every recipe leave the model eager."""
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))

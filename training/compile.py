@@ -128,11 +128,15 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
-    if mixers:
+    blocks = [model.get_submodule(path) for path in (*fullgraph, *with_mixer)]
+    checkpointed = [block for block in blocks if getattr(block, "gradient_checkpointing", False)]
+    if checkpointed:
         log.warning(
-            "train.compile on a model with Gated DeltaNet layers: the one measured Qwen3.5 run with it (and "
-            "train.master_weights=optimizer) was slower than an earlier run with neither (docs/benchmarks.md, fifth "
-            "session); compare both before keeping it on"
+            "train.compile with activation checkpointing (%d blocks): both GPU runs measured so far with the two "
+            "together were far slower than eager (Qwen3-VL-8B shape 3,885 vs 12,635 tokens/s, Qwen3.5 shape 9,122 "
+            "vs 16,268; docs/benchmarks.md, sixth session), before checkpointing moved outside the compiled forward "
+            "(not measured since); compare with train.compile=false before keeping it on",
+            len(checkpointed),
         )
     return report
 
