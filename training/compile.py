@@ -128,8 +128,8 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
-    blocks = [model.get_submodule(path) for path in (*fullgraph, *with_mixer)]
-    checkpointed = [block for block in blocks if getattr(block, "gradient_checkpointing", False)]
+    compiled_blocks = [model.get_submodule(path) for path in (*fullgraph, *with_mixer)]
+    checkpointed = [block for block in compiled_blocks if getattr(block, "gradient_checkpointing", False)]
     if checkpointed:
         log.warning(
             "train.compile with activation checkpointing (%d blocks): both GPU runs measured so far with the two "
