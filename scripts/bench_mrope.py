@@ -228,12 +228,12 @@ def _triton_op():
         conjugate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        grid, scalars, constexprs = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
             q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
         )  # fmt: skip
         wrap_triton(triton_rope._rope_kernel)[grid](
-            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs
+            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs, num_warps=num_warps
         )
         return q_out, k_out
 
