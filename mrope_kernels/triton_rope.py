@@ -3,9 +3,14 @@
 
 One program owns a block of tokens and every head of q and k: it reads the tokens' integer positions, computes
 cos/sin in fp32 once per (token, lane of its tile) and reuses them for all heads. No cos/sin table exists anywhere.
-Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) are copied. The launcher derives grid,
-strides and constexprs once per input signature (`_launch_plan`), so a repeated call costs a cache hit and the
-Triton launch.
+Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) are copied.
+
+The launcher derives grid, strides and constexprs once per input signature (`_launch_plan`). The first launch of each
+specialization (plan, device, every tensor's dtype and 16-byte alignment) goes through Triton's JIT, which binds and
+specializes the arguments, finds or compiles the kernel and launches it, ~50 µs of host time per call on an H200
+host with Triton 3.6; the launcher keeps the compiled kernel it returns and launches it directly from then on, as
+the JIT's own last step does. So a repeated call costs two dict hits and the driver's launch. Launch hooks
+(profilers), Triton's debug and instrumentation modes and the interpreter keep the JIT path on every call.
 
 This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
 """
@@ -18,7 +23,11 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.compiler import CompiledKernel
+from triton.knobs import HookChain
 from triton.language.extra import libdevice
+from triton.runtime import driver
 
 # Lane → (position axis, frequency index) layouts, selected at compile time.
 LAYOUT_CHUNKED = 0  # Qwen2/2.5-VL: lanes [0,s0) temporal, [s0,s0+s1) height, rest width; frequency index = lane
@@ -287,7 +296,8 @@ def _launch_plan(
     q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, element_size,
     half_or_quarter, layout, sections, conjugate, block_t, num_warps, row_tile,
 ):  # fmt: skip
-    """(grid, runtime scalars, constexpr kwargs) for one input signature: derived once, then a dict hit per call.
+    """(grid, runtime scalars, constexpr kwargs, num_warps, compiled kernels) for one input signature: derived
+    once, then a dict hit per call. The last is `_launch`'s store of this plan's compiled kernels, empty at first.
 
     Every argument is a shape, stride, size or flag, so the plan is exact for any tensors that share them."""
     *lead, n_heads_q, head_dim = q_shape
@@ -328,9 +338,48 @@ def _launch_plan(
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
         CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
-        num_warps=num_warps or default_warps,
     )  # fmt: skip
-    return grid, scalars, constexprs
+    return grid, scalars, constexprs, num_warps or default_warps, {}
+
+
+def _launch(kernels: dict, grid: tuple[int], args: tuple, constexprs: dict, num_warps: int) -> None:
+    """Launch `_rope_kernel` on (q, k, q_out, k_out, positions, inv_freq, *scalars, scaling) `args`: through the
+    JIT on a specialization's first call, then directly with the CompiledKernel it returned (kept in `kernels`).
+
+    Everything the JIT specializes on is fixed by the plan (its int scalars' == 1 / % 16 / int32 range, the
+    constexprs, num_warps; scaling is a float, not specialized) or is in the key: the current device, every tensor's
+    dtype and whether its address is a multiple of 16. The direct call passes what `JITFunction.run` passes at its
+    end (Triton 3.6 and 3.9 alike): every parameter positionally in signature order, constexprs included, on the
+    current device's current stream; no launch metadata and no hooks, as none is set (else the JIT path). It skips
+    the JIT's check that the kernel's globals are unchanged: `_rope_kernel` reads none."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    jit_only = (
+        RUNS_IN_INTERPRETER  # the interpreter returns no CompiledKernel and runs on CPU tensors
+        or any(hook.calls if isinstance(hook, HookChain) else hook is not None for hook in hooks)
+        or _rope_kernel.pre_run_hooks
+        # Knobs the JIT folds into its own cache key (compile options, custom pass pipelines): debugging tools that
+        # may be switched on mid-run, so while they are on every launch goes through the JIT.
+        or knobs.runtime.debug
+        or knobs.compilation.instrumentation_mode
+        or knobs.runtime.add_stages_inspection_hook is not None
+    )
+    if not jit_only:
+        device = driver.active.get_current_device()
+        tensors = args[:6]
+        key = (device, *[t.dtype for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors])
+        kernel = kernels.get(key)
+        if kernel is not None:
+            stream = driver.active.get_current_stream(device)
+            kernel.run(
+                grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
+                *args, *constexprs.values(),
+            )  # fmt: skip
+            return
+    kernel = _rope_kernel[grid](*args, **constexprs, num_warps=num_warps)
+    if not jit_only:
+        # Kept only if it is a CompiledKernel (not, e.g., Triton 3.9's FutureKernel of an async compile); else None
+        # keeps this key on the JIT path for good.
+        kernels.setdefault(key, kernel if isinstance(kernel, CompiledKernel) else None)
 
 
 def rope_launch(
@@ -356,9 +405,10 @@ def rope_launch(
     tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
     block_t / num_warps / row_tile override the heuristics (benchmark sweeps only).
     """
-    grid, scalars, constexprs = _launch_plan(
+    grid, scalars, constexprs, warps, kernels = _launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
         q.element_size(), inv_freq.shape[0], layout, sections, conjugate, block_t, num_warps, row_tile,
     )  # fmt: skip
     if grid[0]:
-        _rope_kernel[grid](q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs)
+        # float(): an int scaling would be specialized by the JIT (== 1 even becomes a constexpr), beyond the key.
+        _launch(kernels, grid, (q, k, q_out, k_out, positions, inv_freq, *scalars, float(scaling)), constexprs, warps)

@@ -23,7 +23,9 @@ stack chains N identities that clone q and k in forward and clone their gradient
 floor's bytes); stack rows' × floor is against it.
 Host µs per call at T = 1 (GPU work of a few µs, so what is measured is the host's Python, dispatch and launch):
 wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours, the two mechanisms and
-Liger.
+Liger; and for the kernel launch alone into preallocated outputs (fwd+bwd: the forward and the conjugate launch),
+`launch_jit`, `rope_launch` as it was before its direct launch (plan lookup, then Triton's JIT), and `launch_direct`,
+`rope_launch` (plan lookup, then the kept compiled kernel's direct launch).
 
     python -m scripts.bench_mrope --out artifacts/bench/bench_mrope.json [--tokens 16384] [--stack 8] [--sweep]
 """
@@ -139,9 +141,9 @@ def _timed(label: str, fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> 
         return math.nan, math.nan
 
 
-def make_inputs(case: Case, n_tokens: int) -> dict:
+def make_inputs(case: Case, n_tokens: int, dev: str = "cuda") -> dict:
     """HF-layout inputs of one case (q = randn(1, T, H, D).transpose(1, 2) for text), HF's cos/sin, gradients."""
-    dev, dtype = "cuda", torch.bfloat16
+    dtype = torch.bfloat16
     if case.sections is None:
         q = torch.randn(n_tokens, case.heads_q, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
         k = torch.randn(n_tokens, case.heads_k, case.head_dim, device=dev, dtype=dtype, requires_grad=True)
@@ -228,12 +230,12 @@ def _triton_op():
         conjugate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        grid, scalars, constexprs = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
             q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
         )  # fmt: skip
         wrap_triton(triton_rope._rope_kernel)[grid](
-            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs
+            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs, num_warps=num_warps
         )
         return q_out, k_out
 
@@ -310,7 +312,38 @@ def host_us_per_call(case: Case, calls: int) -> list[dict]:
 
         out.append(_host_row(case.name, impl, run_fwd, run_fwd_bwd, calls))
     out.append(_host_row(case.name, "ours_kernels_only", fwd, fwd_bwd, calls))
+    for impl, (launch_fwd, launch_fwd_bwd) in launches(case, x).items():
+        out.append(_host_row(case.name, impl, launch_fwd, launch_fwd_bwd, calls))
     return out
+
+
+def launches(case: Case, x: dict) -> dict:
+    """name -> (fwd, fwd+bwd) callables of the kernel launch alone on the kernel's views of `x`, writing preallocated
+    outputs, which they return (fwd+bwd: the forward's, then the conjugate launch's): `launch_jit` is `rope_launch` as
+    it was before its direct launch (every launch through Triton's JIT), `launch_direct` is `rope_launch`."""
+    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    q, k = x["q"].detach(), x["k"].detach()
+    if case.sections is not None:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    tensors = (q, k, torch.empty_like(q), torch.empty_like(k), x["positions"], x["inv_freq"])
+
+    def jit(conjugate: bool):
+        q, k, q_out, k_out, positions, inv_freq = tensors
+        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
+            q.element_size(), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
+        )  # fmt: skip
+        triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
+        return tensors[2:4]
+
+    def direct(conjugate: bool):
+        triton_rope.rope_launch(*tensors, layout, sections, 1.0, conjugate)
+        return tensors[2:4]
+
+    return {
+        name: (lambda launch=launch: launch(False), lambda launch=launch: (launch(False), launch(True)))
+        for name, launch in (("launch_jit", jit), ("launch_direct", direct))
+    }
 
 
 def _host_row(case: str, impl: str, fwd, fwd_bwd, calls: int) -> dict:

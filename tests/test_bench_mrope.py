@@ -1,12 +1,23 @@
 """scripts/bench_mrope.py's layer-stack pieces on CPU (the timing itself needs CUDA): the stack chains rope calls as
-decoder layers do, the copy floor's stack copies in both passes, the targets and tables carry the stack rows."""
+decoder layers do, the copy floor's stack copies in both passes, the targets and tables carry the stack rows; the
+host table's launch-alone rows rotate."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from mrope_kernels.reference import apply_vision_rope_reference
-from scripts.bench_mrope import CopyFloor, check_targets, print_tables, stacked, with_floor_ratios
+from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
+from scripts.bench_mrope import (
+    Case,
+    CopyFloor,
+    check_targets,
+    launches,
+    make_inputs,
+    print_tables,
+    stacked,
+    with_floor_ratios,
+)
 
 
 def _grad(fn, q: torch.Tensor, k: torch.Tensor, grads) -> tuple[torch.Tensor, ...]:
@@ -98,3 +109,23 @@ def test_targets_and_tables_carry_the_stack_rows(capsys):
     print_tables(rows, [], [checks])
     per_call, stack = capsys.readouterr().out.split("layer stack: 8 chained calls")
     assert "ours_as_trained_stack" in stack and "_stack" not in per_call
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case("text", 4, 2, 32, 32, (4, 6, 6), interleaved=True), Case("vision", 2, 2, 32, 32, None)],
+    ids=["text", "vision"],
+)
+def test_launch_rows_rotate_forward_then_back(case):
+    """The host table's launches alone, through the JIT and through `rope_launch`, rotate the benchmark's inputs on
+    the kernel's views (forward) and by the negated angle in fwd+bwd's conjugate launch."""
+    x = make_inputs(case, 7, "cpu")
+    q, k, positions, inv_freq = x["q"].detach(), x["k"].detach(), x["positions"], x["inv_freq"]
+    if case.sections is None:
+        reference = lambda sign: apply_vision_rope_reference(q, k, sign * positions, inv_freq)
+    else:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        reference = lambda sign: apply_mrope_reference(q, k, sign * positions, inv_freq, case.sections, True)
+    for fwd, fwd_bwd in launches(case, x).values():
+        torch.testing.assert_close(fwd(), reference(1), rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(fwd_bwd()[1], reference(-1), rtol=1.6e-2, atol=1e-2)
