@@ -33,7 +33,7 @@ gpu-suite:  ## every GPU check and benchmark in one go (logs and JSON in artifac
 gpu-rope:  ## rope kernels on one GPU: GPU tests, kernel benchmark, 3B/8B/Qwen3.5 comparisons with repeats (artifacts/gpu-rope)
 	bash scripts/gpu_rope_suite.sh artifacts/gpu-rope
 
-gpu-cp:  ## context parallelism on two GPUs: GPU test, CP=2 vs CP=1 exactness, speed, longest sample (artifacts/gpu-cp)
+gpu-cp:  ## context parallelism on two GPUs: GPU test, CP=2 vs CP=1 exactness, speed, longest sample, attention engines (artifacts/gpu-cp)
 	bash scripts/gpu_cp_suite.sh artifacts/gpu-cp
 
 lint: install  ## ruff, line length 120
