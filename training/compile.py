@@ -21,7 +21,13 @@ What is compiled, and with `fullgraph=True` (a graph break is an error, not a si
 Excluded: Qwen3.5's Gated DeltaNet mixers run eagerly (`torch.compiler.disable`). Their packed forward splits on
 host lengths (torch path) or calls fla's Triton autotuned kernels, and the torch delta rule loops over chunks:
 traced, each would recompile for every pack. Their decoder layers compile with `fullgraph=False`, so the norms,
-residuals and MLP around the mixer still compile (two graphs per such layer). Also eager: embeddings, patch
+residuals and MLP around the mixer still compile (two graphs per such layer). Such a layer's compiled frame only
+hands the pack (`packed_seqlens`: a PackedSeqlens, or a context-parallel ContextShard) on to the mixer, so it gets it
+boxed in a plain object (`_PassedThrough`) that the mixer's eager wrapper unboxes: dynamo guards on the box's type
+and on nothing inside. Given the pack itself, a frozen dataclass, torch 2.11's dynamo builds a (lazy) variable for
+every field and the graph break before the eager call realizes them: `len(sample_lengths) == n` became a guard and
+every pack with a new sample count recompiled the layer (2.13 builds no fields and never guarded it). Full-attention
+layers take the pack unboxed and read only its `cu_seqlens` and `max_seqlen`. Also eager: embeddings, patch
 embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
 
 Gradient checkpointing stays outside the compiled region. What is compiled is the block's own forward (the class's,
@@ -51,6 +57,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from training import gated_delta
+from training.packed import PACK_KWARG
 from training.parts import inner_model
 
 log = logging.getLogger(__name__)
@@ -117,10 +124,14 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
             for name, mixer in block_mixers:
                 # Keep the instance forward the packed forward installed (or the class's): uncompile restores it.
                 mixer._forward_before_compile = mixer.__dict__.get("forward")
-                mixer.forward = torch.compiler.disable(mixer.forward, reason="Gated DeltaNet runs eagerly")
+                unboxing = functools.partial(_unboxed_pack_call, mixer.forward)
+                mixer.forward = torch.compiler.disable(unboxing, reason="Gated DeltaNet runs eagerly")
                 mixers.append(f"{path}.{name}")
             compiled = torch.compile(_own_forward(block), backend=backend, dynamic=True, fullgraph=not block_mixers)
-            block.forward = functools.partial(_checkpointed_forward, block, _DISTINCT_SYMBOLS(compiled))
+            compiled = _DISTINCT_SYMBOLS(compiled)
+            if block_mixers:  # the compiled frame only hands the pack on to the mixer: box it (module docstring)
+                compiled = functools.partial(_boxed_pack_call, compiled)
+            block.forward = functools.partial(_checkpointed_forward, block, compiled)
             (with_mixer if block_mixers else fullgraph).append(path)
     # Past the limit dynamo would silently run the block eagerly: make that an error instead.
     torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, dynamo_config["recompile_limit"])
@@ -167,6 +178,30 @@ def _own_forward(block: nn.Module) -> Callable:
     if isinstance(block, GradientCheckpointingLayer):
         forward = forward.__wrapped__
     return types.MethodType(forward, block)
+
+
+class _PassedThrough:
+    """A value a compiled frame only passes on, never reads. A plain object (not a dataclass, a tuple or a
+    container, whose contents dynamo tracks): dynamo guards on its type alone, so a new value reuses the graph."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: object):
+        self.value = value
+
+
+def _boxed_pack_call(compiled: Callable, *args, **kwargs):
+    """Call the compiled forward of a layer around an eager mixer with the pack boxed (`_PassedThrough`)."""
+    if kwargs.get(PACK_KWARG) is not None:
+        kwargs[PACK_KWARG] = _PassedThrough(kwargs[PACK_KWARG])
+    return compiled(*args, **kwargs)
+
+
+def _unboxed_pack_call(forward: Callable, *args, **kwargs):
+    """Call an eager mixer's `forward` with the pack out of its box (`_boxed_pack_call`)."""
+    if isinstance(kwargs.get(PACK_KWARG), _PassedThrough):
+        kwargs[PACK_KWARG] = kwargs[PACK_KWARG].value
+    return forward(*args, **kwargs)
 
 
 def _checkpointed_forward(block: nn.Module, compiled: Callable, *args, **kwargs):
