@@ -139,15 +139,13 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
-    compiled_blocks = [model.get_submodule(path) for path in (*fullgraph, *with_mixer)]
-    checkpointed = [block for block in compiled_blocks if getattr(block, "gradient_checkpointing", False)]
-    if checkpointed:
+    if mixers:
         log.warning(
-            "train.compile with activation checkpointing (%d blocks): both GPU runs measured so far with the two "
-            "together were far slower than eager (Qwen3-VL-8B shape 3,885 vs 12,635 tokens/s, Qwen3.5 shape 9,122 "
-            "vs 16,268; docs/benchmarks.md, sixth session), before checkpointing moved outside the compiled forward "
-            "(not measured since); compare with train.compile=false before keeping it on",
-            len(checkpointed),
+            "train.compile with %d eager Gated DeltaNet mixers: the one H200 run of the Qwen3.5 shape compiled (torch "
+            "2.11) stalled at step 2, recompiling these layers for every new sample count (fixed since, on the CPU) "
+            "and possibly autotuning fla; not re-measured (docs/benchmarks.md, seventh session). Compare with "
+            "train.compile=false before keeping it on",
+            len(mixers),
         )
     return report
 
