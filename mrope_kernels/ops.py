@@ -6,7 +6,7 @@ backward is the forward with the angle negated, CONJUGATE) and save only positio
 
 Host cost per call is kept to what a training step needs: validation depends only on tensor metadata (shapes,
 strides, dtypes, devices, sections), so its verdict is cached per signature; the launcher caches its grid and
-constexprs the same way (`triton_rope._launch_plan`) and, per specialization, the compiled kernel it then launches
+constexprs the same way (`triton_rope.launch_plan`) and, per specialization, the compiled kernel it then launches
 directly. A repeated call is three dict hits, two allocations and the driver's launch.
 
 Under torch.compile the same Function is traced; it reaches the kernel through the opaque custom op

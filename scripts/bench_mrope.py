@@ -230,9 +230,10 @@ def _triton_op():
         conjugate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
+            (q.dtype, k.dtype, q.dtype, k.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
+            tuple(sections), conjugate, None, None, None,
         )  # fmt: skip
         wrap_triton(triton_rope._rope_kernel)[grid](
             q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs, num_warps=num_warps
@@ -329,9 +330,9 @@ def launches(case: Case, x: dict) -> dict:
 
     def jit(conjugate: bool):
         q, k, q_out, k_out, positions, inv_freq = tensors
-        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            q.element_size(), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
+            tuple(t.dtype for t in tensors), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
         )  # fmt: skip
         triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
         return tensors[2:4]
