@@ -46,8 +46,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from mrope_kernels import patch, triton_rope
-from mrope_kernels.ops import _RopeFunction, _rotated
+from mrope_kernels import ops, patch, triton_rope
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,10 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
-    for name, rope in (("mechanism_autograd_function", _RopeFunction.apply), ("mechanism_triton_op", _triton_op())):
+    # The product's Function takes the `_Rope` of its calls' signature (one for all calls of a row), found once here.
+    kernel_rope = ops._rope(to_kernel(x["q"]), to_kernel(x["k"]), x["positions"], x["inv_freq"], layout, sections, 1.0)
+    function = lambda q_, k_, positions, inv_freq, *_: ops._RopeFunction.apply(q_, k_, positions, inv_freq, kernel_rope)
+    for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", _triton_op())):
         impls[name] = (
             lambda q_, k_, rope=rope: tuple(
                 to_kernel(t)
@@ -214,8 +216,8 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
 @functools.cache  # one registration per process
 def _triton_op():
     """`bench_mrope::rope` as a `torch.library.triton_op` (kernel via `wrap_triton`) with its backward registered,
-    called like `_RopeFunction.apply`: the alternative to the product's autograd.Function, for the host-cost
-    comparison only."""
+    called with the static args (layout, sections, scaling) after the tensors: the alternative to the product's
+    autograd.Function, for the host-cost comparison only."""
     from torch.library import register_autograd, triton_op, wrap_triton
 
     @triton_op("bench_mrope::rope", mutates_args=())
@@ -262,11 +264,12 @@ def _kernels_only(case: Case, x: dict):
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     grad_q, grad_k = (g.detach() for g in x["grads"])
-    positions = x["positions"]
+    positions, inv_freq = x["positions"], x["inv_freq"]
     if case.sections is not None:
         q, k, grad_q, grad_k = (t.transpose(1, 2) for t in (q, k, grad_q, grad_k))
-    fwd = lambda: _rotated(q, k, positions, x["inv_freq"], layout, sections, 1.0, False)
-    bwd = lambda: _rotated(grad_q, grad_k, positions, x["inv_freq"], layout, sections, 1.0, True)
+    rope = ops._rope(q, k, positions, inv_freq, layout, sections, 1.0)
+    fwd = lambda: ops._rotated(q, k, positions, inv_freq, rope, False)
+    bwd = lambda: ops._rotated(grad_q, grad_k, positions, inv_freq, rope, True)
     return fwd, lambda: (fwd(), bwd())
 
 
