@@ -10,7 +10,8 @@ the static args, so a call signature is validated once. Its `_Rope`, found by on
 the launch plans (`triton_rope.launch_plan`) of its forward and of its backward per gradient layout, and each plan
 the compiled kernels it launches directly (`triton_rope.launch`). A repeated forward is that dict hit, two
 allocations and the driver's launch (plus the kernel's dict hit); a backward adds one dict hit for the gradients'
-layout.
+layout. transformers' (B, H, S, D) views rotate as they are (`heads_first`): transposed views would cost µs each in
+the forward and add autograd nodes to the backward.
 
 Under torch.compile the same Function is traced; it reaches the kernel through the opaque custom op
 `mrope_kernels::rope` (fake impl: outputs like the inputs), so `fullgraph=True` traces without a graph break.
@@ -46,17 +47,19 @@ class _Rope:
     launch: the forward's (fixed by the signature) and the backward's, one per layout of the incoming gradients.
     Under torch.compile a traced call carries only the static args; the opaque op's eager run finds its own."""
 
-    __slots__ = ("backward_plans", "forward_plan", "layout", "scaling", "sections")
+    __slots__ = ("backward_plans", "forward_plan", "heads_first", "layout", "scaling", "sections")
 
-    def __init__(self, layout: int, sections: tuple[int, int, int], scaling: float):
-        self.layout, self.sections, self.scaling = layout, sections, scaling
+    def __init__(self, layout: int, sections: tuple[int, int, int], scaling: float, heads_first: bool):
+        self.layout, self.sections, self.scaling, self.heads_first = layout, sections, scaling, heads_first
         self.forward_plan = None
         self.backward_plans = {}
 
     def add_plan(self, q, k, q_out, k_out, positions, inv_freq, conjugate: bool) -> triton_rope.LaunchPlan:
         """Plan the rotation of q, k (inputs, or gradients when conjugate) into q_out, k_out, and keep it."""
+        order = _heads_second if self.heads_first else tuple
         plan = triton_rope.launch_plan(
-            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
+            order(q.shape), order(q.stride()), order(k.shape), order(k.stride()), order(q_out.stride()),
+            order(k_out.stride()), positions.stride(),
             (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype),
             inv_freq.shape[0], self.layout, self.sections, conjugate,
         )  # fmt: skip
@@ -68,7 +71,7 @@ class _Rope:
 
 
 def _rotated(q, k, positions, inv_freq, rope: _Rope, conjugate: bool):
-    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense transposed strides)."""
+    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense strides, transposed or not)."""
     if runs_triton(q.device):
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         # The forward's inputs are part of the signature (so are its outputs' strides, empty_like's function of
@@ -83,7 +86,9 @@ def _rotated(q, k, positions, inv_freq, rope: _Rope, conjugate: bool):
     if rope.layout == triton_rope.LAYOUT_VISION:
         return apply_vision_rope_reference(q, k, signed_positions, inv_freq)
     interleaved = rope.layout == triton_rope.LAYOUT_INTERLEAVED
-    return apply_mrope_reference(q, k, signed_positions, inv_freq, rope.sections, interleaved, rope.scaling)
+    return apply_mrope_reference(
+        q, k, signed_positions, inv_freq, rope.sections, interleaved, rope.scaling, heads_first=rope.heads_first
+    )
 
 
 @torch.library.custom_op("mrope_kernels::rope", mutates_args=())
@@ -95,21 +100,25 @@ def _rope_op(
     layout: int,
     sections: list[int],
     scaling: float,
+    heads_first: bool,
     conjugate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_rotated` as one opaque node for torch.compile graphs (eager calls skip the dispatcher's host cost)."""
-    rope = _rope(q, k, positions, inv_freq, layout, tuple(sections), scaling)
+    rope = _rope(q, k, positions, inv_freq, layout, tuple(sections), scaling, heads_first)
     return _rotated(q, k, positions, inv_freq, rope, conjugate)
 
 
 @_rope_op.register_fake
-def _rope_op_fake(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
+def _rope_op_fake(q, k, positions, inv_freq, layout, sections, scaling, heads_first, conjugate):
     return torch.empty_like(q), torch.empty_like(k)
 
 
 def _rotate(q, k, positions, inv_freq, rope: _Rope, conjugate: bool):
+    """`_rotated`, or under torch.compile the opaque op (whose eager run finds the call's `_Rope` itself)."""
     if torch.compiler.is_compiling():
-        return _rope_op(q, k, positions, inv_freq, rope.layout, rope.sections, rope.scaling, conjugate)
+        return _rope_op(
+            q, k, positions, inv_freq, rope.layout, rope.sections, rope.scaling, rope.heads_first, conjugate
+        )
     return _rotated(q, k, positions, inv_freq, rope, conjugate)
 
 
@@ -156,11 +165,14 @@ def apply_mrope(
     mrope_section: Sequence[int],
     interleaved: bool = False,
     attention_scaling: float = 1.0,
+    *,
+    heads_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text multimodal rope (Qwen2/2.5-VL chunked, Qwen3-VL / Qwen3.5 interleaved, partial rotary).
 
-    q: (T, Hq, D) packed or (B, S, Hq, D); k: same leading dims, Hk heads; fp16/bf16/fp32, one dtype, any strides
-    with a contiguous last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
+    q: (T, Hq, D) packed or (B, S, Hq, D), or with heads_first (B, Hq, S, D) (transformers' layout, rotated as it
+    is: no transposes); k: same leading dims, Hk heads; fp16/bf16/fp32, one dtype, any strides with a contiguous
+    last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
     inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
     attention_scaling multiplies cos and sin. Returns new tensors (q_out, k_out) in the input dtype and layout.
     Differentiable in q and k, not in positions or inv_freq; incoming gradients are never modified.
@@ -169,7 +181,7 @@ def apply_mrope(
     if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, _NUMBER_TYPES):
         raise ValueError(f"attention_scaling must be a number (1.0 for the default rope), got {attention_scaling!r}")
     layout = triton_rope.LAYOUT_INTERLEAVED if interleaved else triton_rope.LAYOUT_CHUNKED
-    rope = _rope(q, k, positions, inv_freq, layout, sections, float(attention_scaling))
+    rope = _rope(q, k, positions, inv_freq, layout, sections, float(attention_scaling), heads_first)
     return _RopeFunction.apply(q, k, positions, inv_freq, rope)
 
 
@@ -180,7 +192,7 @@ def apply_vision_rope(
     (T, 2) [row, col]; inv_freq: fp32 (D/4,). Lane j < D/4 uses row * inv_freq[j], D/4 <= j < D/2 uses
     col * inv_freq[j - D/4]; rotate-half pairs over the whole head. Returns new tensors (q_out, k_out) in the
     input dtype and layout. Differentiable in q and k."""
-    rope = _rope(q, k, positions, inv_freq, triton_rope.LAYOUT_VISION, _NO_SECTIONS, 1.0)
+    rope = _rope(q, k, positions, inv_freq, triton_rope.LAYOUT_VISION, _NO_SECTIONS, 1.0, False)
     return _RopeFunction.apply(q, k, positions, inv_freq, rope)
 
 
@@ -193,45 +205,57 @@ _ROPES: dict[tuple, _Rope] = {}
 _MAX_ROPES = 1024
 
 
-def _rope(q, k, positions, inv_freq, layout, sections, scaling) -> _Rope:
+def _rope(q, k, positions, inv_freq, layout, sections, scaling, heads_first) -> _Rope:
     """The `_Rope` of a call: a dict hit for a signature seen before, else validated (ValueError) and kept. Under
     torch.compile validated every time (traced like any Python: no dict of symbolic shapes) and not kept."""
     if torch.compiler.is_compiling():
-        _validate(q, k, positions, inv_freq, layout, sections)
-        return _Rope(layout, sections, scaling)
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
+        return _Rope(layout, sections, scaling, heads_first)
     try:
         key = (
             q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             positions.shape, positions.stride(), positions.dtype, positions.device,
             inv_freq.shape, inv_freq.stride(), inv_freq.dtype, inv_freq.device,
-            layout, sections, scaling,
+            layout, sections, scaling, heads_first,
         )  # fmt: skip
     except AttributeError:  # not a tensor: validation names it
-        _validate(q, k, positions, inv_freq, layout, sections)
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
         raise
     rope = _ROPES.get(key)
     if rope is None:
-        _validate(q, k, positions, inv_freq, layout, sections)
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
         if len(_ROPES) >= _MAX_ROPES:
             del _ROPES[next(iter(_ROPES))]
-        rope = _ROPES[key] = _Rope(layout, sections, scaling)
+        rope = _ROPES[key] = _Rope(layout, sections, scaling, heads_first)
     return rope
 
 
-def _validate(q, k, positions, inv_freq, layout, sections) -> None:
-    signature = _signature(q, k, positions, inv_freq)
+def _validate(q, k, positions, inv_freq, layout, sections, heads_first) -> None:
+    signature = _signature(q, k, positions, inv_freq, heads_first)
     if layout == triton_rope.LAYOUT_VISION:
         _check_vision(*signature)
     else:
         _check_text(*signature, sections)
 
 
-def _signature(q, k, positions, inv_freq) -> tuple:
-    """Everything the checks read, per tensor: (shape, strides, dtype, device)."""
+def _signature(q, k, positions, inv_freq, heads_first: bool) -> tuple:
+    """Everything the checks read, per tensor: (shape, strides, dtype, device); q's and k's in (B, S, H, D) order
+    when they come heads first."""
     for name, x in (("q", q), ("k", k), ("positions", positions), ("inv_freq", inv_freq)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return tuple((x.shape, x.stride(), x.dtype, x.device) for x in (q, k, positions, inv_freq))
+    if heads_first and not q.dim() == k.dim() == 4:
+        raise ValueError(f"heads_first q and k must be (B, H, S, D), got {tuple(q.shape)} and {tuple(k.shape)}")
+    order = _heads_second if heads_first else tuple
+    return (
+        *[(order(x.shape), order(x.stride()), x.dtype, x.device) for x in (q, k)],
+        *[(x.shape, x.stride(), x.dtype, x.device) for x in (positions, inv_freq)],
+    )
+
+
+def _heads_second(dims: Sequence[int]) -> tuple[int, ...]:
+    """(B, H, S, D) shape or strides in the kernel's (B, S, H, D) order: what a transpose(1, 2) view would have."""
+    return (dims[0], dims[2], dims[1], dims[3])
 
 
 def _as_sections(mrope_section: Sequence[int]) -> tuple[int, int, int]:

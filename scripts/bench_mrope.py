@@ -199,7 +199,9 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
     # The product's Function takes the `_Rope` of its calls' signature (one for all calls of a row), found once here.
-    kernel_rope = ops._rope(to_kernel(x["q"]), to_kernel(x["k"]), x["positions"], x["inv_freq"], layout, sections, 1.0)
+    kernel_rope = ops._rope(
+        to_kernel(x["q"]), to_kernel(x["k"]), x["positions"], x["inv_freq"], layout, sections, 1.0, False
+    )
     function = lambda q_, k_, positions, inv_freq, *_: ops._RopeFunction.apply(q_, k_, positions, inv_freq, kernel_rope)
     for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", _triton_op())):
         impls[name] = (
@@ -259,15 +261,13 @@ def _triton_op():
 
 def _kernels_only(case: Case, x: dict):
     """(fwd, fwd+bwd) callables of the device work of ours without autograd: exactly what `_RopeFunction` runs
-    (allocate outputs, one launch per pass; backward = conjugate), on the (T, H, D) / (B, S, H, D) views the
-    dispatcher hands to the kernel."""
+    (allocate outputs, one launch per pass; backward = conjugate), on the HF-layout tensors the dispatcher hands
+    over (text: heads first)."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     grad_q, grad_k = (g.detach() for g in x["grads"])
     positions, inv_freq = x["positions"], x["inv_freq"]
-    if case.sections is not None:
-        q, k, grad_q, grad_k = (t.transpose(1, 2) for t in (q, k, grad_q, grad_k))
-    rope = ops._rope(q, k, positions, inv_freq, layout, sections, 1.0)
+    rope = ops._rope(q, k, positions, inv_freq, layout, sections, 1.0, case.sections is not None)
     fwd = lambda: ops._rotated(q, k, positions, inv_freq, rope, False)
     bwd = lambda: ops._rotated(grad_q, grad_k, positions, inv_freq, rope, True)
     return fwd, lambda: (fwd(), bwd())

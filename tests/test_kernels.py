@@ -396,6 +396,27 @@ def test_backward_is_planned_per_gradient_layout():
         assert_matches(got[1], expected[1], "k gradient")
 
 
+def test_heads_first_rotates_transformers_layout_as_is():
+    """heads_first takes (B, H, S, D) (transformers' layout) and gives exactly what the (B, S, H, D) call on the
+    transposed views gives, forward and backward, with outputs in the inputs' layout; 3-D q and k are refused."""
+    torch.manual_seed(10)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    positions = text_positions((2, 7), 300)
+    q = torch.randn(2, 7, 4, 64, device=DEVICE).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 7, 2, 64, device=DEVICE).transpose(1, 2).requires_grad_()
+    grads = (torch.randn(2, 4, 7, 64, device=DEVICE), torch.randn(2, 2, 7, 64, device=DEVICE))
+    out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True, heads_first=True)
+    views = apply_mrope(q.transpose(1, 2), k.transpose(1, 2), positions, inv_freq, [8, 12, 12], interleaved=True)
+    for got, want, x in zip(out, views, (q, k)):
+        assert got.stride() == x.stride()
+        assert torch.equal(got, want.transpose(1, 2))
+    got_grads = torch.autograd.grad(out, (q, k), grads)
+    want_grads = torch.autograd.grad(views, (q, k), tuple(g.transpose(1, 2) for g in grads))
+    assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
+    with pytest.raises(ValueError, match=r"heads_first q and k must be \(B, H, S, D\)"):
+        apply_mrope(q[0], k[0], positions[:, 0], inv_freq, [8, 12, 12], heads_first=True)
+
+
 def test_second_order_gradients_are_refused_not_silently_wrong():
     """The kernel's backward is not differentiable: differentiating through it again raises instead of returning a
     gradient that silently lacks its second-order terms."""
