@@ -4,10 +4,14 @@
 place through `_RopeFunction`, an autograd.Function whose forward and backward each launch the kernel once (the
 backward is the forward with the angle negated, CONJUGATE) and save only positions and inv_freq.
 
-Host cost per call is kept to what a training step needs: validation depends only on tensor metadata (shapes,
-strides, dtypes, devices, sections), so its verdict is cached per signature; the launcher caches its grid and
-constexprs the same way (`triton_rope._launch_plan`) and, per specialization, the compiled kernel it then launches
-directly. A repeated call is three dict hits, two allocations and the driver's launch.
+Host cost per call is kept to what a training step needs (at T = 1, host time is all of a call's time; a layer
+stack at T = 16k was host-bound): validation depends only on tensor metadata (shapes, strides, dtypes, devices) and
+the static args, so a call signature is validated once. Its `_Rope`, found by one dict hit on later calls, carries
+the launch plans (`triton_rope.launch_plan`) of its forward and of its backward per gradient layout, and each plan
+the compiled kernels it launches directly (`triton_rope.launch`). A repeated forward is that dict hit, two
+allocations and the driver's launch (plus the kernel's dict hit); a backward adds one dict hit for the gradients'
+layout. transformers' (B, H, S, D) views rotate as they are (`heads_first`): transposed views would cost µs each in
+the forward and add autograd nodes to the backward.
 
 Under torch.compile the same Function is traced; it reaches the kernel through the opaque custom op
 `mrope_kernels::rope` (fake impl: outputs like the inputs), so `fullgraph=True` traces without a graph break.
@@ -19,7 +23,6 @@ plain-PyTorch reference (`mrope_kernels.reference`) with the same math.
 
 from __future__ import annotations
 
-import functools
 import operator
 from collections.abc import Sequence
 
@@ -31,6 +34,7 @@ from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_ref
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _POSITION_DTYPES = (torch.int64, torch.int32)
 _NO_SECTIONS = (0, 0, 0)
+_NUMBER_TYPES = (int, float)
 
 
 def runs_triton(device: torch.device) -> bool:
@@ -38,18 +42,53 @@ def runs_triton(device: torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and triton_rope.RUNS_IN_INTERPRETER)
 
 
-def _rotated(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
-    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense transposed strides)."""
+class _Rope:
+    """One validated call signature: the static args, and the launch plans of its rotations, each built at its first
+    launch: the forward's (fixed by the signature) and the backward's, one per layout of the incoming gradients.
+    Under torch.compile a traced call carries only the static args; the opaque op's eager run finds its own."""
+
+    __slots__ = ("backward_plans", "forward_plan", "heads_first", "layout", "scaling", "sections")
+
+    def __init__(self, layout: int, sections: tuple[int, int, int], scaling: float, heads_first: bool):
+        self.layout, self.sections, self.scaling, self.heads_first = layout, sections, scaling, heads_first
+        self.forward_plan = None
+        self.backward_plans = {}
+
+    def add_plan(self, q, k, q_out, k_out, positions, inv_freq, conjugate: bool) -> triton_rope.LaunchPlan:
+        """Plan the rotation of q, k (inputs, or gradients when conjugate) into q_out, k_out, and keep it."""
+        order = _heads_second if self.heads_first else tuple
+        plan = triton_rope.launch_plan(
+            order(q.shape), order(q.stride()), order(k.shape), order(k.stride()), order(q_out.stride()),
+            order(k_out.stride()), positions.stride(),
+            (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype),
+            inv_freq.shape[0], self.layout, self.sections, conjugate,
+        )  # fmt: skip
+        if conjugate:
+            self.backward_plans[q.stride(), k.stride()] = plan
+        else:
+            self.forward_plan = plan
+        return plan
+
+
+def _rotated(q, k, positions, inv_freq, rope: _Rope, conjugate: bool):
+    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense strides, transposed or not)."""
     if runs_triton(q.device):
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, scaling, conjugate)
+        # The forward's inputs are part of the signature (so are its outputs' strides, empty_like's function of
+        # them); the backward's gradients come in whatever layout the graph after the rope hands back.
+        plan = rope.backward_plans.get((q.stride(), k.stride())) if conjugate else rope.forward_plan
+        if plan is None:
+            plan = rope.add_plan(q, k, q_out, k_out, positions, inv_freq, conjugate)
+        triton_rope.launch(plan, q, k, q_out, k_out, positions, inv_freq, rope.scaling)
         return q_out, k_out
     # Reference path. Negating integer positions negates the fp32 angle exactly (cos even, sin odd).
     signed_positions = -positions if conjugate else positions
-    if layout == triton_rope.LAYOUT_VISION:
+    if rope.layout == triton_rope.LAYOUT_VISION:
         return apply_vision_rope_reference(q, k, signed_positions, inv_freq)
-    interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
-    return apply_mrope_reference(q, k, signed_positions, inv_freq, sections, interleaved, scaling)
+    interleaved = rope.layout == triton_rope.LAYOUT_INTERLEAVED
+    return apply_mrope_reference(
+        q, k, signed_positions, inv_freq, rope.sections, interleaved, rope.scaling, heads_first=rope.heads_first
+    )
 
 
 @torch.library.custom_op("mrope_kernels::rope", mutates_args=())
@@ -61,15 +100,26 @@ def _rope_op(
     layout: int,
     sections: list[int],
     scaling: float,
+    heads_first: bool,
     conjugate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`_rotated` as one opaque node for torch.compile graphs (eager calls skip the dispatcher's host cost)."""
-    return _rotated(q, k, positions, inv_freq, layout, tuple(sections), scaling, conjugate)
+    rope = _rope(q, k, positions, inv_freq, layout, tuple(sections), scaling, heads_first)
+    return _rotated(q, k, positions, inv_freq, rope, conjugate)
 
 
 @_rope_op.register_fake
-def _rope_op_fake(q, k, positions, inv_freq, layout, sections, scaling, conjugate):
+def _rope_op_fake(q, k, positions, inv_freq, layout, sections, scaling, heads_first, conjugate):
     return torch.empty_like(q), torch.empty_like(k)
+
+
+def _rotate(q, k, positions, inv_freq, rope: _Rope, conjugate: bool):
+    """`_rotated`, or under torch.compile the opaque op (whose eager run finds the call's `_Rope` itself)."""
+    if torch.compiler.is_compiling():
+        return _rope_op(
+            q, k, positions, inv_freq, rope.layout, rope.sections, rope.scaling, rope.heads_first, conjugate
+        )
+    return _rotated(q, k, positions, inv_freq, rope, conjugate)
 
 
 def _contiguous_last_dim(grad: torch.Tensor) -> torch.Tensor:
@@ -77,26 +127,34 @@ def _contiguous_last_dim(grad: torch.Tensor) -> torch.Tensor:
     return grad if grad.stride(-1) == 1 else grad.contiguous()
 
 
+def _rotate_back(ctx, grad_q, grad_k):
+    """The backward: the incoming gradients rotated by -angle into new tensors (never in place: a gradient may be
+    the caller's grad_outputs or shared with another branch)."""
+    positions, inv_freq = ctx.saved_tensors
+    grad_q, grad_k = _rotate(
+        _contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq, ctx.rope, True
+    )
+    return grad_q, grad_k, None, None, None
+
+
+# The kernel's backward is not itself differentiable: once_differentiable makes a second backward through it raise.
+_rotate_back_once = torch.autograd.function.once_differentiable(_rotate_back)
+
+
 class _RopeFunction(torch.autograd.Function):
-    """Out-of-place rotation of q and k; the backward rotates the incoming gradients by -angle into new tensors
-    (never in place: a gradient may be the caller's grad_outputs or shared with another branch)."""
+    """Out-of-place rotation of q and k as `rope` (a `_Rope`) says; the backward rotates the gradients back."""
 
     @staticmethod
-    def forward(ctx, q, k, positions, inv_freq, layout, sections, scaling):
+    def forward(ctx, q, k, positions, inv_freq, rope):
         ctx.save_for_backward(positions, inv_freq)
-        ctx.static_args = (layout, sections, scaling)
-        rotate = _rope_op if torch.compiler.is_compiling() else _rotated
-        return rotate(q, k, positions, inv_freq, layout, sections, scaling, False)
+        ctx.rope = rope
+        return _rotate(q, k, positions, inv_freq, rope, False)
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # the kernel's backward is not itself differentiable: say so
     def backward(ctx, grad_q, grad_k):
-        positions, inv_freq = ctx.saved_tensors
-        rotate = _rope_op if torch.compiler.is_compiling() else _rotated
-        grad_q, grad_k = rotate(
-            _contiguous_last_dim(grad_q), _contiguous_last_dim(grad_k), positions, inv_freq, *ctx.static_args, True
-        )
-        return grad_q, grad_k, None, None, None, None, None
+        # once_differentiable acts only with grad mode on (create_graph=True); off, it would only add its no_grad
+        # (µs per call).
+        return (_rotate_back_once if torch.is_grad_enabled() else _rotate_back)(ctx, grad_q, grad_k)
 
 
 def apply_mrope(
@@ -107,22 +165,24 @@ def apply_mrope(
     mrope_section: Sequence[int],
     interleaved: bool = False,
     attention_scaling: float = 1.0,
+    *,
+    heads_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text multimodal rope (Qwen2/2.5-VL chunked, Qwen3-VL / Qwen3.5 interleaved, partial rotary).
 
-    q: (T, Hq, D) packed or (B, S, Hq, D); k: same leading dims, Hk heads; fp16/bf16/fp32, one dtype, any strides
-    with a contiguous last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
+    q: (T, Hq, D) packed or (B, S, Hq, D), or with heads_first (B, Hq, S, D) (transformers' layout, rotated as it
+    is: no transposes); k: same leading dims, Hk heads; fp16/bf16/fp32, one dtype, any strides with a contiguous
+    last dim. positions: integer (3, T) or (3, B, S), [temporal, height, width].
     inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
     attention_scaling multiplies cos and sin. Returns new tensors (q_out, k_out) in the input dtype and layout.
     Differentiable in q and k, not in positions or inv_freq; incoming gradients are never modified.
     """
     sections = _as_sections(mrope_section)
-    if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, int | float):
+    if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, _NUMBER_TYPES):
         raise ValueError(f"attention_scaling must be a number (1.0 for the default rope), got {attention_scaling!r}")
-    check = _check_text if torch.compiler.is_compiling() else _check_text_cached
-    check(*_signature(q, k, positions, inv_freq), sections)
     layout = triton_rope.LAYOUT_INTERLEAVED if interleaved else triton_rope.LAYOUT_CHUNKED
-    return _RopeFunction.apply(q, k, positions, inv_freq, layout, sections, float(attention_scaling))
+    rope = _rope(q, k, positions, inv_freq, layout, sections, float(attention_scaling), heads_first)
+    return _RopeFunction.apply(q, k, positions, inv_freq, rope)
 
 
 def apply_vision_rope(
@@ -132,30 +192,78 @@ def apply_vision_rope(
     (T, 2) [row, col]; inv_freq: fp32 (D/4,). Lane j < D/4 uses row * inv_freq[j], D/4 <= j < D/2 uses
     col * inv_freq[j - D/4]; rotate-half pairs over the whole head. Returns new tensors (q_out, k_out) in the
     input dtype and layout. Differentiable in q and k."""
-    check = _check_vision if torch.compiler.is_compiling() else _check_vision_cached
-    check(*_signature(q, k, positions, inv_freq))
-    return _RopeFunction.apply(q, k, positions, inv_freq, triton_rope.LAYOUT_VISION, _NO_SECTIONS, 1.0)
+    rope = _rope(q, k, positions, inv_freq, triton_rope.LAYOUT_VISION, _NO_SECTIONS, 1.0, False)
+    return _RopeFunction.apply(q, k, positions, inv_freq, rope)
 
 
 # --------------------------------------------------------------------------------------------------------------
 # validation: pure functions of tensor metadata, so a signature seen before is not checked again
 # --------------------------------------------------------------------------------------------------------------
 
+# Signature -> its `_Rope`, oldest first; packs of new lengths keep adding signatures, so the oldest make way.
+_ROPES: dict[tuple, _Rope] = {}
+_MAX_ROPES = 1024
 
-def _signature(q, k, positions, inv_freq) -> tuple:
-    """Everything the checks read, per tensor: (shape, strides, dtype, device)."""
+
+def _rope(q, k, positions, inv_freq, layout, sections, scaling, heads_first) -> _Rope:
+    """The `_Rope` of a call: a dict hit for a signature seen before, else validated (ValueError) and kept. Under
+    torch.compile validated every time (traced like any Python: no dict of symbolic shapes) and not kept."""
+    if torch.compiler.is_compiling():
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
+        return _Rope(layout, sections, scaling, heads_first)
+    try:
+        key = (
+            q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
+            positions.shape, positions.stride(), positions.dtype, positions.device,
+            inv_freq.shape, inv_freq.stride(), inv_freq.dtype, inv_freq.device,
+            layout, sections, scaling, heads_first,
+        )  # fmt: skip
+    except AttributeError:  # not a tensor: validation names it
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
+        raise
+    rope = _ROPES.get(key)
+    if rope is None:
+        _validate(q, k, positions, inv_freq, layout, sections, heads_first)
+        if len(_ROPES) >= _MAX_ROPES:
+            del _ROPES[next(iter(_ROPES))]
+        rope = _ROPES[key] = _Rope(layout, sections, scaling, heads_first)
+    return rope
+
+
+def _validate(q, k, positions, inv_freq, layout, sections, heads_first) -> None:
+    signature = _signature(q, k, positions, inv_freq, heads_first)
+    if layout == triton_rope.LAYOUT_VISION:
+        _check_vision(*signature)
+    else:
+        _check_text(*signature, sections)
+
+
+def _signature(q, k, positions, inv_freq, heads_first: bool) -> tuple:
+    """Everything the checks read, per tensor: (shape, strides, dtype, device); q's and k's in (B, S, H, D) order
+    when they come heads first."""
     for name, x in (("q", q), ("k", k), ("positions", positions), ("inv_freq", inv_freq)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    return tuple((x.shape, x.stride(), x.dtype, x.device) for x in (q, k, positions, inv_freq))
+    if heads_first and not q.dim() == k.dim() == 4:
+        raise ValueError(f"heads_first q and k must be (B, H, S, D), got {tuple(q.shape)} and {tuple(k.shape)}")
+    order = _heads_second if heads_first else tuple
+    return (
+        *[(order(x.shape), order(x.stride()), x.dtype, x.device) for x in (q, k)],
+        *[(x.shape, x.stride(), x.dtype, x.device) for x in (positions, inv_freq)],
+    )
+
+
+def _heads_second(dims: Sequence[int]) -> tuple[int, ...]:
+    """(B, H, S, D) shape or strides in the kernel's (B, S, H, D) order: what a transpose(1, 2) view would have."""
+    return (dims[0], dims[2], dims[1], dims[3])
 
 
 def _as_sections(mrope_section: Sequence[int]) -> tuple[int, int, int]:
     try:
-        sections = tuple(operator.index(s) for s in mrope_section)
+        sections = tuple(map(operator.index, mrope_section))
     except TypeError:
         sections = None
-    if sections is None or len(sections) != 3 or any(s < 0 for s in sections):
+    if sections is None or len(sections) != 3 or min(sections) < 0:
         raise ValueError(f"mrope_section must be 3 non-negative ints [temporal, height, width], got {mrope_section}")
     return sections
 
@@ -228,8 +336,3 @@ def _check_pair(q, k, positions, inv_freq) -> None:
         )
     if inv_shape[0] > 1 and inv_strides[0] != 1:
         raise ValueError("inv_freq must be contiguous; pass the rotary module's buffer")
-
-
-# A verdict is cached only when the check passes (lru_cache does not cache raised errors).
-_check_text_cached = functools.lru_cache(maxsize=1024)(_check_text)
-_check_vision_cached = functools.lru_cache(maxsize=1024)(_check_vision)

@@ -5,12 +5,12 @@ One program owns a block of tokens and every head of q and k: it reads the token
 cos/sin in fp32 once per (token, lane of its tile) and reuses them for all heads. No cos/sin table exists anywhere.
 Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) are copied.
 
-The launcher derives grid, strides and constexprs once per input signature (`_launch_plan`). The first launch of each
-specialization (plan, device, every tensor's dtype and 16-byte alignment) goes through Triton's JIT, which binds and
+The launcher derives grid, strides and constexprs once per input signature (`launch_plan`). The first launch of each
+specialization (plan, device, every tensor's 16-byte alignment) goes through Triton's JIT, which binds and
 specializes the arguments, finds or compiles the kernel and launches it, ~50 µs of host time per call on an H200
 host with Triton 3.6; the launcher keeps the compiled kernel it returns and launches it directly from then on, as
-the JIT's own last step does. So a repeated call costs two dict hits and the driver's launch. Launch hooks
-(profilers), Triton's debug and instrumentation modes and the interpreter keep the JIT path on every call.
+the JIT's own last step does (`launch`). So a repeated call costs a dict hit or two and the driver's launch. Launch
+hooks (profilers), Triton's debug and instrumentation modes and the interpreter keep the JIT path on every call.
 
 This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
 """
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import os
+from typing import NamedTuple
 
 import torch
 import triton
@@ -291,15 +292,25 @@ def _position_strides(strides: tuple[int, ...], layout: int) -> tuple[int, int, 
     return (strides[0], 0, strides[1]) if len(strides) == 2 else tuple(strides)
 
 
-@functools.lru_cache(maxsize=1024)
-def _launch_plan(
-    q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, element_size,
-    half_or_quarter, layout, sections, conjugate, block_t, num_warps, row_tile,
-):  # fmt: skip
-    """(grid, runtime scalars, constexpr kwargs, num_warps, compiled kernels) for one input signature: derived
-    once, then a dict hit per call. The last is `_launch`'s store of this plan's compiled kernels, empty at first.
+class LaunchPlan(NamedTuple):
+    """What launching `_rope_kernel` takes besides the six tensors and scaling, for one input signature."""
 
-    Every argument is a shape, stride, size or flag, so the plan is exact for any tensors that share them."""
+    grid: tuple[int]
+    scalars: tuple[int, ...]  # the int arguments after the tensors: sizes and strides
+    constexprs: dict[str, int | bool]
+    num_warps: int
+    kernels: dict  # `launch`'s store of this plan's compiled kernels, per specialization; empty at first
+
+
+@functools.lru_cache(maxsize=1024)
+def launch_plan(
+    q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, dtypes,
+    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, row_tile=None,
+):  # fmt: skip
+    """The launch plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and strides;
+    k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's kernels are
+    compiled. Every argument is a shape, stride, dtype or flag, so the plan is exact for any tensors that share them.
+    `rope_launch` looks it up per call; `mrope_kernels.ops` keeps the plans it uses."""
     *lead, n_heads_q, head_dim = q_shape
     n_heads_k = k_shape[-2]
     seq_len = lead[-1]
@@ -307,7 +318,7 @@ def _launch_plan(
     rotary_dim = 4 * half_or_quarter if layout == LAYOUT_VISION else 2 * half_or_quarter
     copy_pass = rotary_dim < head_dim
     if row_tile is None:
-        row_tile = uses_row_tile(rotary_dim, head_dim, element_size)
+        row_tile = uses_row_tile(rotary_dim, head_dim, dtypes[0].itemsize)
     block_lanes = triton.next_power_of_2(rotary_dim if row_tile else rotary_dim // 2)
     block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
     default_block_t, block_hq, block_hk, default_warps = default_launch_config(
@@ -339,47 +350,62 @@ def _launch_plan(
         CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
     )  # fmt: skip
-    return grid, scalars, constexprs, num_warps or default_warps, {}
+    return LaunchPlan(grid, scalars, constexprs, num_warps or default_warps, {})
 
 
-def _launch(kernels: dict, grid: tuple[int], args: tuple, constexprs: dict, num_warps: int) -> None:
-    """Launch `_rope_kernel` on (q, k, q_out, k_out, positions, inv_freq, *scalars, scaling) `args`: through the
-    JIT on a specialization's first call, then directly with the CompiledKernel it returned (kept in `kernels`).
+def launch(plan: LaunchPlan, q, k, q_out, k_out, positions, inv_freq, scaling: float) -> None:
+    """Launch `_rope_kernel` as `plan` says on tensors of its signature: through the JIT on a specialization's first
+    call, then directly with the CompiledKernel it returned (kept in `plan.kernels`). scaling: a float (an int would
+    be specialized by the JIT, == 1 even becomes a constexpr, beyond the key).
 
     Everything the JIT specializes on is fixed by the plan (its int scalars' == 1 / % 16 / int32 range, the
-    constexprs, num_warps; scaling is a float, not specialized) or is in the key: the current device, every tensor's
-    dtype and whether its address is a multiple of 16. The direct call passes what `JITFunction.run` passes at its
-    end (Triton 3.6 and 3.9 alike): every parameter positionally in signature order, constexprs included, on the
-    current device's current stream; no launch metadata and no hooks, as none is set (else the JIT path). It skips
-    the JIT's check that the kernel's globals are unchanged: `_rope_kernel` reads none."""
-    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    constexprs, num_warps, every tensor's dtype; scaling is a float, not specialized) or is in the key: the current
+    device and whether each tensor's address is a multiple of 16. The direct call passes what `JITFunction.run`
+    passes at its end (Triton 3.6 and 3.9 alike): every parameter positionally in signature order, constexprs
+    included, on the current device's current stream; no launch metadata and no hooks, as none is set (else the JIT
+    path). It skips the JIT's check that the kernel's globals are unchanged: `_rope_kernel` reads none."""
+    if not plan.grid[0]:
+        return  # no tokens
+    # Plain attributes, cheap to read per call (Triton reads TRITON_DEBUG and TRITON_INSTRUMENTATION_MODE into them
+    # at import, not per call).
+    runtime = knobs.runtime
     jit_only = (
         RUNS_IN_INTERPRETER  # the interpreter returns no CompiledKernel and runs on CPU tensors
-        or any(hook.calls if isinstance(hook, HookChain) else hook is not None for hook in hooks)
+        or _hooked(runtime.launch_enter_hook)
+        or _hooked(runtime.launch_exit_hook)
         or _rope_kernel.pre_run_hooks
         # Knobs the JIT folds into its own cache key (compile options, custom pass pipelines): debugging tools that
         # may be switched on mid-run, so while they are on every launch goes through the JIT.
-        or knobs.runtime.debug
+        or runtime.debug
         or knobs.compilation.instrumentation_mode
-        or knobs.runtime.add_stages_inspection_hook is not None
+        or runtime.add_stages_inspection_hook is not None
     )
     if not jit_only:
         device = driver.active.get_current_device()
-        tensors = args[:6]
-        key = (device, *[t.dtype for t in tensors], *[t.data_ptr() % 16 == 0 for t in tensors])
-        kernel = kernels.get(key)
+        key = (
+            device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, q_out.data_ptr() % 16 == 0,
+            k_out.data_ptr() % 16 == 0, positions.data_ptr() % 16 == 0, inv_freq.data_ptr() % 16 == 0,
+        )  # fmt: skip
+        kernel = plan.kernels.get(key)
         if kernel is not None:
-            stream = driver.active.get_current_stream(device)
             kernel.run(
-                grid[0], 1, 1, stream, kernel.function, kernel.packed_metadata, None, None, None,
-                *args, *constexprs.values(),
+                plan.grid[0], 1, 1, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
+                None, None, None, q, k, q_out, k_out, positions, inv_freq, *plan.scalars, scaling,
+                *plan.constexprs.values(),
             )  # fmt: skip
             return
-    kernel = _rope_kernel[grid](*args, **constexprs, num_warps=num_warps)
+    kernel = _rope_kernel[plan.grid](
+        q, k, q_out, k_out, positions, inv_freq, *plan.scalars, scaling, **plan.constexprs, num_warps=plan.num_warps
+    )
     if not jit_only:
         # Kept only if it is a CompiledKernel (not, e.g., Triton 3.9's FutureKernel of an async compile); else None
         # keeps this key on the JIT path for good.
-        kernels.setdefault(key, kernel if isinstance(kernel, CompiledKernel) else None)
+        plan.kernels.setdefault(key, kernel if isinstance(kernel, CompiledKernel) else None)
+
+
+def _hooked(hook) -> bool:
+    """Whether a launch hook is set: a HookChain with calls, or (older style) any callable."""
+    return hook.calls if isinstance(hook, HookChain) else hook is not None
 
 
 def rope_launch(
@@ -405,10 +431,9 @@ def rope_launch(
     tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
     block_t / num_warps / row_tile override the heuristics (benchmark sweeps only).
     """
-    grid, scalars, constexprs, warps, kernels = _launch_plan(
+    plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-        q.element_size(), inv_freq.shape[0], layout, sections, conjugate, block_t, num_warps, row_tile,
+        (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
+        sections, conjugate, block_t, num_warps, row_tile,
     )  # fmt: skip
-    if grid[0]:
-        # float(): an int scaling would be specialized by the JIT (== 1 even becomes a constexpr), beyond the key.
-        _launch(kernels, grid, (q, k, q_out, k_out, positions, inv_freq, *scalars, float(scaling)), constexprs, warps)
+    launch(plan, q, k, q_out, k_out, positions, inv_freq, float(scaling))

@@ -46,8 +46,7 @@ import torch
 import triton
 from triton.testing import do_bench
 
-from mrope_kernels import patch, triton_rope
-from mrope_kernels.ops import _RopeFunction, _rotated
+from mrope_kernels import ops, patch, triton_rope
 
 
 @dataclass(frozen=True)
@@ -199,7 +198,12 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
-    for name, rope in (("mechanism_autograd_function", _RopeFunction.apply), ("mechanism_triton_op", _triton_op())):
+    # The product's Function takes the `_Rope` of its calls' signature (one for all calls of a row), found once here.
+    kernel_rope = ops._rope(
+        to_kernel(x["q"]), to_kernel(x["k"]), x["positions"], x["inv_freq"], layout, sections, 1.0, False
+    )
+    function = lambda q_, k_, positions, inv_freq, *_: ops._RopeFunction.apply(q_, k_, positions, inv_freq, kernel_rope)
+    for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", _triton_op())):
         impls[name] = (
             lambda q_, k_, rope=rope: tuple(
                 to_kernel(t)
@@ -214,8 +218,8 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
 @functools.cache  # one registration per process
 def _triton_op():
     """`bench_mrope::rope` as a `torch.library.triton_op` (kernel via `wrap_triton`) with its backward registered,
-    called like `_RopeFunction.apply`: the alternative to the product's autograd.Function, for the host-cost
-    comparison only."""
+    called with the static args (layout, sections, scaling) after the tensors: the alternative to the product's
+    autograd.Function, for the host-cost comparison only."""
     from torch.library import register_autograd, triton_op, wrap_triton
 
     @triton_op("bench_mrope::rope", mutates_args=())
@@ -230,9 +234,10 @@ def _triton_op():
         conjugate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            q.element_size(), inv_freq.shape[0], layout, tuple(sections), conjugate, None, None, None,
+            (q.dtype, k.dtype, q.dtype, k.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
+            tuple(sections), conjugate, None, None, None,
         )  # fmt: skip
         wrap_triton(triton_rope._rope_kernel)[grid](
             q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs, num_warps=num_warps
@@ -256,16 +261,15 @@ def _triton_op():
 
 def _kernels_only(case: Case, x: dict):
     """(fwd, fwd+bwd) callables of the device work of ours without autograd: exactly what `_RopeFunction` runs
-    (allocate outputs, one launch per pass; backward = conjugate), on the (T, H, D) / (B, S, H, D) views the
-    dispatcher hands to the kernel."""
+    (allocate outputs, one launch per pass; backward = conjugate), on the HF-layout tensors the dispatcher hands
+    over (text: heads first)."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     grad_q, grad_k = (g.detach() for g in x["grads"])
-    positions = x["positions"]
-    if case.sections is not None:
-        q, k, grad_q, grad_k = (t.transpose(1, 2) for t in (q, k, grad_q, grad_k))
-    fwd = lambda: _rotated(q, k, positions, x["inv_freq"], layout, sections, 1.0, False)
-    bwd = lambda: _rotated(grad_q, grad_k, positions, x["inv_freq"], layout, sections, 1.0, True)
+    positions, inv_freq = x["positions"], x["inv_freq"]
+    rope = ops._rope(q, k, positions, inv_freq, layout, sections, 1.0, case.sections is not None)
+    fwd = lambda: ops._rotated(q, k, positions, inv_freq, rope, False)
+    bwd = lambda: ops._rotated(grad_q, grad_k, positions, inv_freq, rope, True)
     return fwd, lambda: (fwd(), bwd())
 
 
@@ -329,9 +333,9 @@ def launches(case: Case, x: dict) -> dict:
 
     def jit(conjugate: bool):
         q, k, q_out, k_out, positions, inv_freq = tensors
-        grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
             q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            q.element_size(), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
+            tuple(t.dtype for t in tensors), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
         )  # fmt: skip
         triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
         return tensors[2:4]

@@ -1,4 +1,4 @@
-"""The launcher's direct launch (`triton_rope._launch`): the first call per specialization goes through Triton's JIT,
+"""The launcher's direct launch (`triton_rope.launch`): the first call per specialization goes through Triton's JIT,
 later ones launch the CompiledKernel it returned with exactly the arguments the JIT would pass.
 
 On CPU, `_rope_kernel` is replaced by a real `JITFunction` of the same kernel (Triton's own binding, specialization
@@ -94,9 +94,9 @@ def fake_jit(monkeypatch):
     monkeypatch.setattr(triton_rope, "_rope_kernel", fake.jit)
     monkeypatch.setattr(triton_rope, "RUNS_IN_INTERPRETER", False)
     monkeypatch.setattr(driver, "_active", fake.driver)
-    triton_rope._launch_plan.cache_clear()
+    triton_rope.launch_plan.cache_clear()
     yield fake
-    triton_rope._launch_plan.cache_clear()
+    triton_rope.launch_plan.cache_clear()
 
 
 def _inputs(dtype=torch.bfloat16, positions_dtype=torch.int64, offset=0, layout=triton_rope.LAYOUT_INTERLEAVED):
@@ -127,9 +127,9 @@ def _rope(tensors, layout=triton_rope.LAYOUT_INTERLEAVED, conjugate=False, scali
 def _jit_launch(tensors, layout=triton_rope.LAYOUT_INTERLEAVED, conjugate=False):
     """What `rope_launch` did before the direct launch: the planned arguments through `_rope_kernel[grid]`."""
     q, k, q_out, k_out, positions, inv_freq = tensors
-    grid, scalars, constexprs, num_warps, _ = triton_rope._launch_plan(
+    grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-        q.element_size(), inv_freq.shape[0], layout, (12, 12, 12), conjugate, None, None, None,
+        tuple(t.dtype for t in tensors), inv_freq.shape[0], layout, (12, 12, 12), conjugate, None, None, None,
     )  # fmt: skip
     triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
 

@@ -17,7 +17,7 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as hf_qwen35
 from transformers.models.qwen3_vl import configuration_qwen3_vl as cfg_qwen3
 from transformers.models.qwen3_vl import modeling_qwen3_vl as hf_qwen3
 
-from mrope_kernels import apply_mrope, apply_vision_rope, triton_rope
+from mrope_kernels import apply_mrope, apply_vision_rope, ops, triton_rope
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -358,6 +358,63 @@ def test_cached_launch_plans_and_checks_follow_the_signature():
     for _ in range(2):
         with pytest.raises(ValueError, match="sums to"):
             apply_mrope(base_q, variants[0][1], positions, inv_freq, [8, 12, 11])
+
+
+def test_signatures_kept_are_bounded_oldest_out_first(monkeypatch):
+    """Validated signatures (with their launch plans) are kept up to a bound, the oldest dropped first (packs of new
+    lengths keep adding signatures); a call whose signature was dropped is validated and planned again."""
+    monkeypatch.setattr(ops, "_ROPES", {})
+    monkeypatch.setattr(ops, "_MAX_ROPES", 2)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    for n_tokens in (5, 6, 7, 5):
+        q, k = torch.randn(n_tokens, 4, 64, device=DEVICE), torch.randn(n_tokens, 2, 64, device=DEVICE)
+        positions = text_positions((n_tokens,), 300)
+        expected = apply_mrope_reference(q, k, positions, inv_freq, (8, 12, 12), True)
+        out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True)
+        assert_matches(out[0], expected[0], "q")
+        assert_matches(out[1], expected[1], "k")
+        assert len(ops._ROPES) <= 2
+    assert sorted(key[0][0] for key in ops._ROPES) == [5, 7]  # key[0]: q's shape
+
+
+def test_backward_is_planned_per_gradient_layout():
+    """The backward's launch plan follows the incoming gradients' strides: one graph differentiated twice with the
+    same gradients, dense and as transposed views, gives the reference gradients both times."""
+    torch.manual_seed(11)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    positions = text_positions((11,), 300)
+    q = torch.randn(11, 4, 64, device=DEVICE, requires_grad=True)
+    k = torch.randn(11, 2, 64, device=DEVICE, requires_grad=True)
+    grads = (torch.randn(11, 4, 64, device=DEVICE), torch.randn(11, 2, 64, device=DEVICE))
+    reference = apply_mrope_reference(q, k, positions, inv_freq, (8, 12, 12), True)
+    expected = torch.autograd.grad(reference, (q, k), grads)
+    out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True)
+    transposed = tuple(g.transpose(0, 1).contiguous().transpose(0, 1) for g in grads)
+    for layout in (grads, transposed):
+        got = torch.autograd.grad(out, (q, k), layout, retain_graph=True)
+        assert_matches(got[0], expected[0], "q gradient")
+        assert_matches(got[1], expected[1], "k gradient")
+
+
+def test_heads_first_rotates_transformers_layout_as_is():
+    """heads_first takes (B, H, S, D) (transformers' layout) and gives exactly what the (B, S, H, D) call on the
+    transposed views gives, forward and backward, with outputs in the inputs' layout; 3-D q and k are refused."""
+    torch.manual_seed(10)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=DEVICE).float() / 64))
+    positions = text_positions((2, 7), 300)
+    q = torch.randn(2, 7, 4, 64, device=DEVICE).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 7, 2, 64, device=DEVICE).transpose(1, 2).requires_grad_()
+    grads = (torch.randn(2, 4, 7, 64, device=DEVICE), torch.randn(2, 2, 7, 64, device=DEVICE))
+    out = apply_mrope(q, k, positions, inv_freq, [8, 12, 12], interleaved=True, heads_first=True)
+    views = apply_mrope(q.transpose(1, 2), k.transpose(1, 2), positions, inv_freq, [8, 12, 12], interleaved=True)
+    for got, want, x in zip(out, views, (q, k)):
+        assert got.stride() == x.stride()
+        assert torch.equal(got, want.transpose(1, 2))
+    got_grads = torch.autograd.grad(out, (q, k), grads)
+    want_grads = torch.autograd.grad(views, (q, k), tuple(g.transpose(1, 2) for g in grads))
+    assert all(torch.equal(got, want) for got, want in zip(got_grads, want_grads))
+    with pytest.raises(ValueError, match=r"heads_first q and k must be \(B, H, S, D\)"):
+        apply_mrope(q[0], k[0], positions[:, 0], inv_freq, [8, 12, 12], heads_first=True)
 
 
 def test_second_order_gradients_are_refused_not_silently_wrong():
