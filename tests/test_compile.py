@@ -28,7 +28,7 @@ from scripts.launch import run_logged
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
-from training.packed import enable_packed_forward, packed_model_inputs
+from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
 from training.run_files import read_metrics
 from verification.packing_check import SampleSpec, label_loss, pack_samples
 
@@ -158,6 +158,30 @@ def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_s
     explanation = torch._dynamo.explain(regional._own_forward(layer))(*args, **kwargs)
     assert explanation.graph_break_count == 1
     assert "Gated DeltaNet runs eagerly" in str(explanation.break_reasons[0])
+
+
+def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_model, tiny_samples, monkeypatch):
+    """The pack reaches each eager mixer through its layer's compiled frame in a plain box, never as the frozen
+    dataclass itself: given that, torch 2.11's dynamo guards on its sample count and recompiles every new pack (the
+    local torch does not, so the recompile test alone cannot catch a regression here)."""
+    handed_over = []
+    unbox = regional._unboxed_pack_call
+
+    def recording_unbox(forward, *args, **kwargs):
+        handed_over.append(type(kwargs.get(PACK_KWARG)))
+        return unbox(forward, *args, **kwargs)
+
+    monkeypatch.setattr(regional, "_unboxed_pack_call", recording_unbox)
+    model = packed_model(tiny_model, "qwen3_5")
+    report = regional.compile_blocks(model, backend="aot_eager")
+    try:
+        batch = pack_samples(model, tiny_samples(model, PACKS[1]))
+        with torch.no_grad():
+            model(**packed_model_inputs(model, batch), use_cache=False)
+    finally:
+        regional.uncompile_blocks(model)
+    assert len(handed_over) == len(report.eager_mixers) > 0
+    assert set(handed_over) == {regional._PassedThrough}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
