@@ -20,7 +20,8 @@
 #          rotate methods) on one causal document, attention alone.
 # atlimit  (not in the default) one sample of ATLIMIT_WORDS words at CP = 2 under FSDP2, trained as step 2 after a
 #          short first pack (so AdamW's states exist, as in the probes' second step): the fit's prediction checked
-#          directly. At 627,000 words (~899k tokens, 1.8x the one-GPU FSDP2 fit) its step takes over 6 minutes.
+#          directly. At 627,000 words (~899k tokens, 1.8x the one-GPU FSDP2 fit) its step takes over 6 minutes;
+#          this stage has not yet run to the end (the seventh session's by-hand attempt hit a 10-minute command cap).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-artifacts/gpu-cp}
