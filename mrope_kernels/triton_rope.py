@@ -114,11 +114,14 @@ def _rotate_rows(
 
     Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
     half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
-    whole 16-byte vectors; only the partner load (same cache lines, served from L1) is narrower.
+    whole 16-byte vectors, and each lane's partner (l ± R/2) is gathered from the loaded row in registers
+    (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.37x the copy floor; a
+    second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two constant-offset loads
+    masked to one half each 1.64x.
     """
     lanes = tl.arange(0, BLOCK_LANES)
     heads = tl.arange(0, BLOCK_H)
-    partner = tl.where(lanes < HALF, HALF, -HALF)
+    partner = tl.where(lanes < HALF, lanes + HALF, lanes - HALF)  # padding lanes (>= R) pick a lane that exists
     lane_mask = lanes < HEAD_DIM
     cos3 = cos[:, None, :]
     sin3 = sin[:, None, :]
@@ -128,7 +131,8 @@ def _rotate_rows(
         x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
         o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
         x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
-        x_partner = tl.load(X + x_off + partner[None, None, :], mask=mask, other=0.0).to(tl.float32)
+        partner_index = tl.broadcast_to(partner[None, None, :], (x.shape[0], x.shape[1], x.shape[2]))
+        x_partner = tl.gather(x, partner_index, axis=2)
         tl.store(OUT + o_off, (x * cos3 + x_partner * sin3).to(OUT.dtype.element_ty), mask=mask)
 
 

@@ -9,6 +9,7 @@ from accelerate.state import AcceleratorState
 
 from training import loss, step
 from training.loss import linear_cross_entropy
+from training.loss_kernel import cross_entropy_grad_
 from training.packed import enable_packed_forward
 from verification.packing_check import SampleSpec, pack_samples
 
@@ -152,6 +153,77 @@ def test_bf16_autocast_within_the_unfused_rounding():
     for name, f, r, t in zip(("loss", "grad hidden", "grad weight"), fused, reference, truth):
         reference_error = (r.double() - t).abs().max()
         assert reference_error > 0, f"{name}: the autocast reference did not round"
+        assert (f.double() - t).abs().max() <= 2 * reference_error, name
+
+
+# ----- the softmax-gradient kernel (training/loss_kernel.py) and the CUDA path -----
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("vocab", [97, 5003])
+@pytest.mark.parametrize("write_grad", [True, False])
+def test_kernel_equals_the_torch_path(dtype, vocab, write_grad):
+    """The Triton kernel (here under the interpreter) against the torch path on the same logits: each row's loss,
+    and the gradient it writes over the logits, for a vocabulary inside one block and one spanning two with a ragged
+    tail, large logits, a label on the last column and ignored rows (loss 0, zero gradient); without write_grad the
+    logits are left untouched. bf16 gradients may differ by one rounding (exp and sums in another order)."""
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(11, vocab, generator=gen) * 6).to(dtype)
+    labels = torch.randint(0, vocab, (11,), generator=gen)
+    labels[[0, 4]] = IGNORE_INDEX
+    labels[5] = vocab - 1
+    expected_logits, actual_logits = logits.clone(), logits.clone()
+    expected = loss._cross_entropy_grad_torch_(expected_logits, labels, write_grad)
+    actual = cross_entropy_grad_(actual_logits, labels, IGNORE_INDEX, write_grad)
+    assert_relative(actual, expected, rel=1e-6, name="row loss")
+    assert actual[0] == actual[4] == 0 and torch.all(actual[labels != IGNORE_INDEX] > 0)
+    if not write_grad:
+        assert torch.equal(actual_logits, logits) and torch.equal(expected_logits, logits)
+        return
+    rel = 1e-6 if dtype == torch.float32 else 2**-8
+    assert_relative(actual_logits.float(), expected_logits.float(), rel=rel, name="gradient")
+    assert torch.count_nonzero(actual_logits[[0, 4]]) == 0
+    torch.testing.assert_close(actual_logits.float().sum(1), torch.zeros(11), atol=0.05, rtol=0)  # softmax - onehot
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, None])
+def test_kernel_path_equals_unfused(monkeypatch, chunk_rows):
+    """linear_cross_entropy with the chunk's softmax gradient in the kernel (forced on the CPU) equals the unfused
+    loss and gradients in fp32, as the torch path does."""
+    monkeypatch.setattr(loss, "_softmax_in_kernel", lambda device: True)
+    hidden, weight, labels = problem(37)
+    expected = loss_and_grads(unfused, hidden, weight, labels)
+    actual = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_rows=chunk_rows)
+    for a, e in zip(actual, expected):
+        assert_relative(a, e)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("master", ["bf16 module", "fp32 master under autocast"])
+def test_cuda_path_within_the_unfused_rounding(master):
+    """On CUDA (kernel softmax, fp32 accumulation inside the weight-gradient matmul, several chunks): against an
+    fp64 truth, loss and gradients are off by at most twice the unfused bf16 path's own error, with the bf16 weights
+    of a bf16 module and with fp32 master weights under autocast (whose weight gradient comes back in fp32)."""
+    hidden, weight, labels = problem(517, hidden_size=128, vocab=5003)
+    hidden, weight = hidden.cuda(), weight.cuda()
+    labels = labels.cuda()
+    if master == "bf16 module":
+        hidden, weight = hidden.bfloat16(), weight.bfloat16()
+
+    def in_training_precision(fn, **kwargs):
+        def run(h, w, y):
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=master != "bf16 module"):
+                return fn(h, w, y, **kwargs)
+
+        return run
+
+    truth = loss_and_grads(unfused, hidden.double(), weight.double(), labels)
+    reference = loss_and_grads(in_training_precision(unfused), hidden, weight, labels)
+    fused = loss_and_grads(in_training_precision(linear_cross_entropy, chunk_rows=96), hidden, weight, labels)
+    assert fused[2].dtype == weight.dtype
+    for name, f, r, t in zip(("loss", "grad hidden", "grad weight"), fused, reference, truth):
+        reference_error = (r.double() - t).abs().max()
+        assert reference_error > 0, f"{name}: the bf16 reference did not round"
         assert (f.double() - t).abs().max() <= 2 * reference_error, name
 
 

@@ -2,13 +2,21 @@
 
 Memory: unfused, a pack of T = 16384 tokens over Qwen's V = 151936 vocabulary holds its bf16 logits (T·V·2 bytes,
 4.98 GB) from forward to backward, and backward builds their bf16 gradient (as many bytes again) before the lm_head
-matmuls consume it. `linear_cross_entropy` instead walks the rows in chunks whose fp32 logits take at most
-`CE_CHUNK_ELEMENTS`; for each chunk it computes the logits, the loss and at once the gradients of the hidden states
-and of the weight, and drops the logits (Liger-Kernel's fused linear cross-entropy, in plain PyTorch). What it holds
-until backward is those two gradients, (T, H) and (V, H), instead of the logits and the bf16 copies of the hidden
-states and weight that nn.Linear saves.
+matmuls consume it. `linear_cross_entropy` instead walks the rows in chunks; for each chunk it computes the logits,
+the loss and at once the gradients of the hidden states and of the weight, and drops the logits (Liger-Kernel's fused
+linear cross-entropy). What it holds until backward is those two gradients, (T, H) and (V, H), instead of the logits
+and the bf16 copies of the hidden states and weight that nn.Linear saves.
 Compute: backward only scales the stored gradients by the incoming scalar, so the work is the same three matmuls as
 unfused (logits, gradient of the input, gradient of the weight), none recomputed.
+
+Two paths, one arithmetic (the logits rounded to the matmul dtype, softmax in fp32, its gradient rounded back once):
+- CUDA: a chunk's logits (matmul dtype, at most CE_KERNEL_CHUNK_ELEMENTS) become their own gradient in place
+  (training/loss_kernel.py, two reads and one write), and the weight gradient accumulates in fp32 inside the matmul
+  (cuBLAS with an fp32 output, C += A·B), once per chunk. Before, every path ran the torch steps below on chunks of
+  1,081 rows at V = 248320 (Qwen3.5), each with an fp32 copy of its logits, seven passes over it and a bf16
+  weight-gradient partial added to the fp32 sum: 16 such adds took 59 ms of the Qwen3.5 shape's 846 ms step, and
+  the step went from 0.89 to 0.77 s with this path (docs/benchmarks.md, eighth session).
+- elsewhere (CPU): the same steps in torch ops on an fp32 copy of at most CE_CHUNK_ELEMENTS logits.
 """
 
 from __future__ import annotations
@@ -16,8 +24,12 @@ from __future__ import annotations
 import torch
 
 from data.processing import IGNORE_INDEX
+from training.loss_kernel import cross_entropy_grad_
 
-CE_CHUNK_ELEMENTS = 2**28  # fp32 logits live one chunk at a time: 1 GiB, whatever the vocabulary
+CE_CHUNK_ELEMENTS = 2**28  # torch path: the fp32 logits of a chunk take 1 GiB, whatever the vocabulary
+# CUDA path: a chunk's logits in the matmul dtype (2 GiB in bf16; 4,324 rows at V = 248320). Fewer, larger chunks
+# mean fewer read-modify-writes of the fp32 (V, H) weight-gradient sum, each as large as the lm_head in fp32.
+CE_KERNEL_CHUNK_ELEMENTS = 2**30
 
 
 def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
@@ -31,26 +43,54 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
     return weight.dtype
 
 
-def _chunk_loss(
-    chunk: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, want_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Summed loss of one chunk and, if `want_grad`, its logits' gradient softmax - onehot(label) (zero rows where
-    the label is ignored), in the matmul dtype. chunk (n, H) and weight (V, H) in the matmul dtype, labels (n,).
-    One fp32 (n, V) buffer, turned in place into exp(logits - max), then into the gradient."""
+def _softmax_in_kernel(device: torch.device) -> bool:
+    """Whether a chunk's softmax gradient runs in training/loss_kernel.py (else in torch ops)."""
+    return device.type == "cuda"
+
+
+def _matmul_accumulates_in_fp32(device: torch.device) -> bool:
+    """Whether a low-precision matmul can add its product into an fp32 sum itself (cuBLAS; not on the CPU)."""
+    return device.type == "cuda"
+
+
+def _chunk_elements(device: torch.device) -> int:
+    return CE_KERNEL_CHUNK_ELEMENTS if _softmax_in_kernel(device) else CE_CHUNK_ELEMENTS
+
+
+def _cross_entropy_grad_torch_(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
+    """`cross_entropy_grad_` in torch ops: each row's loss (fp32, (n,)) and, if `write_grad`, the logits overwritten
+    with their gradient softmax - onehot(label) (zero rows where the label is ignored), else left as they are.
+    One fp32 (n, V) buffer (the logits themselves when they are fp32 and get the gradient), turned in place into
+    exp(logits - max), then into the gradient."""
     is_target = labels != IGNORE_INDEX
     targets = torch.where(is_target, labels, 0).unsqueeze(1)
-    probs = (chunk @ weight.T).float()
+    probs = logits.to(torch.float32, copy=not write_grad)
     target_logits = probs.gather(1, targets).squeeze(1)
     row_max = probs.amax(dim=1, keepdim=True)
     probs.sub_(row_max).exp_()
     row_sum = probs.sum(dim=1, keepdim=True)
-    row_loss = (row_sum.log() + row_max).squeeze(1) - target_logits
-    loss = torch.where(is_target, row_loss, 0.0).sum()
-    if not want_grad:
-        return loss, None
-    probs.div_(row_sum).mul_(is_target.unsqueeze(1))
-    probs.scatter_add_(1, targets, -is_target.to(probs.dtype).unsqueeze(1))
-    return loss, probs.to(chunk.dtype)
+    row_loss = torch.where(is_target, (row_sum.log() + row_max).squeeze(1) - target_logits, 0.0)
+    if write_grad:
+        probs.div_(row_sum).mul_(is_target.unsqueeze(1))
+        probs.scatter_add_(1, targets, -is_target.to(probs.dtype).unsqueeze(1))
+        if probs is not logits:
+            logits.copy_(probs)
+    return row_loss
+
+
+def _add_weight_grad(total: torch.Tensor | None, grad_logits: torch.Tensor, chunk: torch.Tensor) -> torch.Tensor:
+    """total + grad_logits.T @ chunk in fp32 (total None: the first chunk's term). On CUDA a low-precision product
+    accumulates into the fp32 sum inside the matmul; elsewhere its partial is rounded to the matmul dtype and added."""
+    low_precision = grad_logits.dtype != torch.float32
+    if low_precision and _matmul_accumulates_in_fp32(grad_logits.device):
+        if total is None:
+            return torch.mm(grad_logits.T, chunk, out_dtype=torch.float32)
+        return torch.addmm(total, grad_logits.T, chunk, out_dtype=torch.float32, out=total)
+    if total is None:
+        return (grad_logits.T @ chunk).float()
+    if low_precision:
+        return total.add_(grad_logits.T @ chunk)
+    return total.addmm_(grad_logits.T, chunk)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -67,27 +107,31 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_hidden_wanted: bool,
         grad_weight_wanted: bool,
     ) -> torch.Tensor:
-        # Autocast off: every cast is explicit, and the weight-gradient partials stay in the matmul dtype until
-        # they are added to the fp32 accumulator.
+        # Autocast off: every cast is explicit, and the weight gradient's products stay in the matmul dtype until
+        # they reach the fp32 sum.
+        want_grad = grad_hidden_wanted or grad_weight_wanted
         with torch.autocast(hidden.device.type, enabled=False):
             weight_mm = weight.to(matmul_dtype)
-            loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            row_loss = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
             grad_hidden = torch.empty_like(hidden) if grad_hidden_wanted else None
-            grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grad_weight_wanted else None
+            grad_weight = None
             for start in range(0, hidden.shape[0], chunk_rows):
                 rows = slice(start, start + chunk_rows)
                 chunk = hidden[rows].to(matmul_dtype)
-                chunk_loss, grad_logits = _chunk_loss(
-                    chunk, weight_mm, labels[rows], grad_hidden_wanted or grad_weight_wanted
-                )
-                loss += chunk_loss
+                logits = chunk @ weight_mm.T  # becomes its own gradient below
+                if _softmax_in_kernel(logits.device):
+                    row_loss[rows] = cross_entropy_grad_(logits, labels[rows], IGNORE_INDEX, want_grad)
+                else:
+                    row_loss[rows] = _cross_entropy_grad_torch_(logits, labels[rows], want_grad)
                 if grad_hidden_wanted:
-                    grad_hidden[rows] = grad_logits @ weight_mm
+                    grad_hidden[rows] = logits @ weight_mm
                 if grad_weight_wanted:
-                    grad_weight += grad_logits.T @ chunk
-                del grad_logits  # before the next chunk's logits are allocated
+                    grad_weight = _add_weight_grad(grad_weight, logits, chunk)
+                del logits  # before the next chunk's logits are allocated
+            if grad_weight_wanted and grad_weight is None:  # no rows at all
+                grad_weight = torch.zeros_like(weight)
         ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
-        return loss
+        return row_loss.sum()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -106,7 +150,8 @@ def linear_cross_entropy(
     hidden: (N, H) final hidden states, any float dtype; weight: (V, H) the lm_head weight (fp32 master under
     autocast, possibly tied to the input embeddings: autograd adds the two gradients); labels: long (N,),
     IGNORE_INDEX where no target (those rows add 0 to the loss and get a zero gradient).
-    chunk_rows: rows per chunk (default CE_CHUNK_ELEMENTS / V, ~1766 rows for V = 151936).
+    chunk_rows: rows per chunk (default CE_KERNEL_CHUNK_ELEMENTS / V on CUDA, 7,067 rows for V = 151936;
+    CE_CHUNK_ELEMENTS / V elsewhere, 1,766).
     Returns an fp32 scalar. The matmuls run in the dtype nn.Linear would use (autocast's, when on); softmax and loss
     in fp32; the weight gradient is accumulated over chunks in fp32 and returned in `weight`'s dtype, the hidden
     gradient in `hidden`'s. Gradients are computed in forward, only for inputs that need one (none under no_grad);
@@ -123,7 +168,7 @@ def linear_cross_entropy(
         weight,
         labels,
         _matmul_dtype(hidden, weight),
-        chunk_rows or max(1, CE_CHUNK_ELEMENTS // weight.shape[0]),
+        chunk_rows or max(1, _chunk_elements(hidden.device) // weight.shape[0]),
         grad_enabled and hidden.requires_grad,
         grad_enabled and weight.requires_grad,
     )
