@@ -8,6 +8,7 @@ varlen kernels; FSDP2 runs over gloo.
 """
 
 import json
+import logging
 import os
 import re
 import sys
@@ -283,19 +284,17 @@ def test_uncompile_restores_eager_blocks(tiny_model):
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
-def test_compile_warns_only_for_gated_delta_models(tiny_model, caplog, family):
-    """Compiling a model with eager Gated DeltaNet mixers logs a warning naming the unmeasured GPU stall; a model
-    without them (checkpointing on: measured faster compiled) compiles without one."""
+def test_compile_reports_without_warning(tiny_model, caplog, family):
+    """Compiling logs what it compiled (Qwen3.5: its layers around eager Gated DeltaNet mixers) and warns about
+    nothing: both kinds are measured faster compiled on a GPU (docs/benchmarks.md, eighth session)."""
     model = packed_model(tiny_model, family, checkpointing=True)
-    with caplog.at_level("WARNING", logger=regional.log.name):
+    with caplog.at_level("INFO", logger=regional.log.name):
         report = regional.compile_blocks(model, backend="aot_eager")
     regional.uncompile_blocks(model)
-    warned = [r.getMessage() for r in caplog.records if r.name == regional.log.name and r.levelname == "WARNING"]
-    if family == "qwen3_5":
-        assert len(warned) == 1 and warned[0].startswith(f"train.compile with {len(report.eager_mixers)} eager Gated")
-        assert report.eager_mixers
-    else:
-        assert warned == []
+    records = [r for r in caplog.records if r.name == regional.log.name]
+    assert [r.getMessage() for r in records if r.levelname == "INFO"] == [str(report)]
+    assert not [r for r in records if r.levelno >= logging.WARNING]
+    assert bool(report.eager_mixers) == (family == "qwen3_5")
 
 
 def test_compile_is_off_by_default_in_every_recipe():

@@ -139,14 +139,6 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
-    if mixers:
-        log.warning(
-            "train.compile with %d eager Gated DeltaNet mixers: the one H200 run of the Qwen3.5 shape compiled (torch "
-            "2.11) stalled at step 2, recompiling these layers for every new sample count (fixed since, on the CPU) "
-            "and possibly autotuning fla; not re-measured (docs/benchmarks.md, seventh session). Compare with "
-            "train.compile=false before keeping it on",
-            len(mixers),
-        )
     return report
 
 
