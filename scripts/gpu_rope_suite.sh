@@ -3,7 +3,9 @@
 # 3B, 8B and Qwen3.5 bench shapes with alternating repeats, everything under one artifacts dir.
 #
 #   bash scripts/gpu_rope_suite.sh OUT [STAGE ...]      STAGE: tests bench compare-3b compare-8b compare-qwen3_5
-#                                                       (default: all five, in that order)
+#                                                       (default: these five, in that order), or
+#                                                       levers-3b levers-8b levers-qwen3_5 (fused against
+#                                                       bf16-compiled: issues 14/15's fastest measured setup)
 #   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
 #
@@ -38,21 +40,27 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run one stage, log it, record its st
   echo "$name rc=$? $((SECONDS - start))s" | tee -a "$OUT/status.txt"
 }
 
-compare() {  # compare NAME RECIPE VARIANTS
-  step "compare_$1" "$COMPARE_LIMIT" $PY -m scripts.compare_throughput --config "recipes/$2.yaml" --variants "$3" \
-    --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$1" \
-    data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO"
+compare() {  # compare NAME RECIPE VARIANTS [OVERRIDE ...]
+  local name=$1 recipe=$2 variants=$3
+  shift 3
+  step "compare_$name" "$COMPARE_LIMIT" $PY -m scripts.compare_throughput --config "recipes/$recipe.yaml" \
+    --variants "$variants" --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$name" \
+    data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO" "$@"
 }
 
 for stage in $STAGES; do
   case $stage in
     # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
-    tests) step gpu_tests 300 bash -c "$PY -m pytest -q tests/test_kernels.py tests/test_direct_launch.py && $PY -m pytest -q -m gpu tests/test_patch.py" ;;
+    tests) step gpu_tests 300 bash -c "$PY -m pytest -q tests/test_kernels.py tests/test_direct_launch.py && $PY -m pytest -q -m gpu tests/test_patch.py tests/test_fused_loss.py" ;;
     bench) step bench_mrope 300 $PY -m scripts.bench_mrope --sweep --out "$OUT/bench_mrope.json" ;;
     compare-3b) compare 3b bench-qwen2_5_vl-3b-shape fused,unfused,liger ;;
     compare-8b) compare 8b bench-qwen3_vl-8b-shape fused,unfused ;;
     compare-qwen3_5) compare qwen3_5 bench-qwen3_5-shape fused,unfused ;;
-    *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5)"; exit 2 ;;
+    levers-3b) compare levers_3b bench-qwen2_5_vl-3b-shape fused,bf16-compiled ;;
+    levers-8b) compare levers_8b bench-qwen3_vl-8b-shape fused,bf16-compiled ;;
+    # without LLM checkpointing, where bf16-compiled was fastest (105 GiB); fused without it is not yet measured
+    levers-qwen3_5) compare levers_qwen3_5 bench-qwen3_5-shape fused,bf16-compiled model.gradient_checkpointing_llm=false ;;
+    *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b levers-qwen3_5)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
