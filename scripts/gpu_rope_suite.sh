@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Issue 16 on one GPU: the rope kernels' GPU tests, the kernel benchmark and the end-to-end comparisons of the
+# Issues 14-16 on one GPU: the rope kernels' GPU tests, the kernel benchmark and the end-to-end comparisons of the
 # 3B, 8B and Qwen3.5 bench shapes with alternating repeats, everything under one artifacts dir.
 #
 #   bash scripts/gpu_rope_suite.sh OUT [STAGE ...]      STAGE: tests bench compare-3b compare-8b compare-qwen3_5
 #                                                       (default: these five, in that order), or
 #                                                       levers-3b levers-8b levers-qwen3_5 (fused against
-#                                                       bf16-compiled: issues 14/15's fastest measured setup)
+#                                                       bf16-compiled: issues 14/15's fastest measured setup),
+#                                                       longest-3b longest-8b longest-qwen3_5 (that setup's peak
+#                                                       memory at three pack lengths, fitted: the longest pack
+#                                                       within 137 GiB, scripts/fit_longest.py)
 #   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
 #
@@ -48,6 +51,19 @@ compare() {  # compare NAME RECIPE VARIANTS [OVERRIDE ...]
     data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO" "$@"
 }
 
+longest() {  # longest NAME RECIPE "TOKENS ..." [OVERRIDE ...]: 2-step probes per pack length, then the linear fit
+  local name=$1 recipe=$2 lengths=$3 tokens
+  shift 3
+  for tokens in $lengths; do
+    step "longest_${name}_$tokens" 300 $PY train.py --config "recipes/$recipe.yaml" packing.max_tokens=$tokens \
+      train.max_steps=2 logging.timing_warmup_steps=0 logging.every_steps=1 logging.report_to=none \
+      train.master_weights=optimizer train.compile=true train.output_dir="$OUT/longest_$name/$tokens" "$@"
+  done
+  # only the probes that finished (one out of memory says the longest pack is below it)
+  step "longest_${name}_fit" 60 bash -c "$PY -m scripts.fit_longest --memory-gib 137 \
+    --json $OUT/longest_$name/fit.json \$(dirname \$(ls $OUT/longest_$name/*/summary.json))"
+}
+
 for stage in $STAGES; do
   case $stage in
     # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
@@ -60,7 +76,12 @@ for stage in $STAGES; do
     levers-8b) compare levers_8b bench-qwen3_vl-8b-shape fused,bf16-compiled ;;
     # without LLM checkpointing, where bf16-compiled was fastest (105 GiB); fused without it is not yet measured
     levers-qwen3_5) compare levers_qwen3_5 bench-qwen3_5-shape fused,bf16-compiled model.gradient_checkpointing_llm=false ;;
-    *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b levers-qwen3_5)"; exit 2 ;;
+    # lengths below each shape's out-of-memory point as the 16k runs' peaks (77, 87, 105 GiB) extrapolate
+    longest-3b) longest 3b bench-qwen2_5_vl-3b-shape "16384 24576 32768" ;;
+    longest-8b) longest 8b bench-qwen3_vl-8b-shape "16384 24576 32768" ;;
+    longest-qwen3_5) longest qwen3_5 bench-qwen3_5-shape "12288 16384 20480" model.gradient_checkpointing_llm=false ;;
+    *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
+      "levers-qwen3_5 longest-3b longest-8b longest-qwen3_5)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
