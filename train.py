@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
     needs_export = cfg.checkpoint.export and not checkpoint.export_complete(export_dir)
     if start_step >= cfg.train.max_steps and run_files.has_summary(run_dir) and not needs_export:
         log.info("%s already reached train.max_steps=%d; raise it to train further", run_dir, cfg.train.max_steps)
-        accelerator.end_training()
+        distributed.finish(accelerator)
         return run_files.read_summary(run_dir)
     trains = start_step < cfg.train.max_steps
     if trains:
@@ -97,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )
-    accelerator.wait_for_everyone()  # ranks tear the process group down together (gloo hangs otherwise)
-    accelerator.end_training()
+    distributed.finish(accelerator)
     return summary
 
 

@@ -244,6 +244,30 @@ def test_launch_without_a_process_group_is_refused(monkeypatch):
     check_world_size(1)
 
 
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_run_ends_with_a_barrier_then_a_pause_for_gloo_then_the_teardown(monkeypatch, processes):
+    """Several processes end together (barrier), then release the GIL long enough for gloo's worker threads to free
+    the barrier's work before the process group can be destroyed (training/distributed.py, GLOO_DRAIN_S), then tear
+    down; one process tears down at once."""
+    from training import distributed
+
+    calls = []
+
+    class Accelerator:
+        num_processes = processes
+
+        def wait_for_everyone(self):
+            calls.append("barrier")
+
+        def end_training(self):
+            calls.append("teardown")
+
+    monkeypatch.setattr(distributed.time, "sleep", lambda seconds: calls.append(("sleep", seconds)))
+    distributed.finish(Accelerator())
+    expected = ["barrier", ("sleep", distributed.GLOO_DRAIN_S), "teardown"] if processes > 1 else ["teardown"]
+    assert calls == expected and distributed.GLOO_DRAIN_S > 0
+
+
 def test_accelerate_launch_cpu_with_several_processes_is_refused(monkeypatch):
     """`accelerate launch --cpu --num_processes 2` starts one process and no group: that is an error naming the
     command that starts two, not a silent one-process run; one process, or no accelerate parent, passes."""

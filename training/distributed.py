@@ -1,5 +1,5 @@
 """Multi-process helpers: the Accelerator arguments train.py needs beyond mixed precision, a guard against silently
-independent processes, and the collective settings every launcher of ours exports.
+independent processes, the collective settings every launcher of ours exports, and the end of a run.
 
 `SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: on the
 H200 hosts we run on, multicast objects are not available to containers and collectives that try them fail or hang
@@ -9,6 +9,7 @@ at start-up. The plain ring/tree algorithms are what the parity and scaling numb
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
@@ -19,6 +20,12 @@ SAFE_COLLECTIVES_ENV = {
     "NVSHMEM_DISABLE_NVLS": "1",
 }
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+# gloo's worker threads free a finished collective (and the Python-created tensors it still holds) only once they get
+# the GIL. The process group is destroyed with the GIL held (the DDP reducer's reference goes when train.py's main()
+# returns), and its destructor joins those threads: if one still holds the final barrier's work, neither moves. A
+# 4-process CPU test hung there in about one run of three on a loaded 2-core host (stacks: main thread in
+# ~ProcessGroupGloo joining, the worker in ~AsyncBarrierWork waiting for the GIL). Sleeping releases the GIL.
+GLOO_DRAIN_S = 0.2
 
 
 def accelerator_kwargs(dtype: str) -> dict[str, Any]:
@@ -99,3 +106,12 @@ def check_world_size(num_processes: int, launcher_cmdline: list[str] | None = No
             f"accelerate launch asked for {requested} processes but started one (it does so with --cpu). For "
             f"{requested} processes on CPUs (gloo) run: {CPU_DDP_COMMAND.replace('N', str(requested), 1)}"
         )
+
+
+def finish(accelerator) -> None:
+    """End the run on every rank together: a barrier (gloo hangs if a rank tears down early), a pause in which
+    gloo's worker threads free its work (GLOO_DRAIN_S), then accelerate's teardown (trackers, process group)."""
+    if accelerator.num_processes > 1:
+        accelerator.wait_for_everyone()
+        time.sleep(GLOO_DRAIN_S)
+    accelerator.end_training()
