@@ -8,12 +8,14 @@ repeated with the variants alternating (A B A B ...), so drift of the machine hi
 
 Honest by construction: every run is a separate process with the same recipe, seed and data order (only the
 variant's own keys differ); throughput and MFU are train.py's own means over the steps after
-`logging.timing_warmup_steps`; tokens are real (non-pad) tokens. A variant's number is the median over its repeats,
-with the spread (min-max) beside it; a ratio is the ratio of medians, with the range min(A)/max(B) .. max(A)/min(B)
-that the repeats allow. Each run logs to wandb in one group with its variant as a tag (offline automatically without
-a login). Writes into --out: one run directory per run (`<variant>/run<i>`), `comparison.json`, `comparison.png`
-(tokens/s and loss per step, first repeat) and `comparison.md` (the table), and prints the table. The JSON and the
-table are rewritten after every full round of variants, so a session cut short keeps the rounds it finished.
+`logging.timing_warmup_steps`; tokens are real (non-pad) tokens. Runs log at the recipe's `logging.every_steps` (one
+device sync per interval, as training does; the loss curve still has every step). A variant's number is the median
+over its repeats, with the spread (min-max) beside it; a ratio is the ratio of medians, with the range
+min(A)/max(B) .. max(A)/min(B) that the repeats allow. Each run logs to wandb in one group with its variant as a tag
+(offline automatically without a login). Writes into --out: one run directory per run (`<variant>/run<i>`),
+`comparison.json`, `comparison.png` (tokens/s per logged step and loss per step, first repeat) and `comparison.md`
+(the table), and prints the table. The JSON and the table are rewritten after every full round of variants, so a
+session cut short keeps the rounds it finished.
 
 Is the host the bottleneck? While a run trains, NVML's GPU utilisation of the run's GPU (the share of each ~0.2-1 s
 window in which any kernel ran) is sampled every 0.1 s and tagged with the last step the run has logged; the mean of
@@ -100,7 +102,6 @@ RESERVED_KEYS = {
     "logging.group",
     "logging.tags",
     "logging.run_name",
-    "logging.every_steps",
     "logging.timing_warmup_steps",
     "checkpoint.resume",
 }
@@ -128,7 +129,7 @@ class RunResult:
     repeat: int  # 1-based
     run_dir: Path
     summary: dict
-    records: list[dict]  # metrics.jsonl training records (those with a loss), one per logged step
+    records: list[dict]  # metrics.jsonl training records (those with a loss), one per step
     wall_s: float
     busy_samples: list[tuple[int, float]] = field(default_factory=list)  # (last logged step, GPU utilisation 0-1)
 
@@ -233,8 +234,8 @@ def select_variants(requested: str, model_type: str, launcher: str | None) -> tu
                 "already computes on bf16 weights"
             )
     kept = [v for v in names if v not in left_out]
-    if len(kept) < 2:
-        raise ConfigError(f"need at least two variants to compare, have {kept} (left out: {left_out}).")
+    if not kept:  # one variant is a measurement of its own repeats' spread
+        raise ConfigError(f"no variant left to run (left out: {left_out}).")
     return kept, left_out
 
 
@@ -266,7 +267,6 @@ def run_variant(
         f"train.output_dir={run_dir}",
         f"train.max_steps={steps}",
         f"logging.timing_warmup_steps={warmup}",
-        "logging.every_steps=1",  # per-step loss and throughput curves; one sync per step, the same in every run
         f"logging.group={group}",
         f"logging.tags=[{variant}, compare]",
         f"logging.run_name={group}-{variant}-run{repeat}",
@@ -322,10 +322,18 @@ def gpu_busy(result: RunResult, warmup: int) -> float | None:
     return _mean([busy for step, busy in result.busy_samples if warmup <= step < last])
 
 
+def timed_intervals(records: list[dict], warmup: int) -> list[dict]:
+    """The records of the log intervals that lie wholly after step `warmup` (only a logged step's record has an
+    interval's rates, and an interval reaching back into the warm-up would carry its compilation)."""
+    logged = [r for r in records if "step_time_s" in r]
+    starts = [0, *(r["step"] for r in logged)]  # each interval starts after the previous logged step
+    return [r for r, start in zip(logged, starts, strict=False) if start >= warmup]
+
+
 def run_numbers(result: RunResult, warmup: int) -> dict:
     """One run: train.py's throughput over its timed steps and its GPU-busy fraction."""
     busy = gpu_busy(result, warmup)
-    timed = [r for r in result.records if r["step"] > warmup]
+    timed = timed_intervals(result.records, warmup)
     return {
         "repeat": result.repeat,
         "tokens_per_s_per_gpu": result.summary["tokens_per_s_per_gpu"],
@@ -454,9 +462,9 @@ def plot(results: list[RunResult], warmup: int, title: str, path: Path) -> None:
 
     fig, (ax_speed, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
     for result in (r for r in results if r.repeat == 1):
-        steps = [r["step"] for r in result.records]
-        ax_speed.plot(steps, [r["tokens_per_s_per_gpu"] for r in result.records], label=result.variant)
-        ax_loss.plot(steps, [r["loss"] for r in result.records], label=result.variant)
+        logged = [r for r in result.records if "tokens_per_s_per_gpu" in r]
+        ax_speed.plot([r["step"] for r in logged], [r["tokens_per_s_per_gpu"] for r in logged], label=result.variant)
+        ax_loss.plot([r["step"] for r in result.records], [r["loss"] for r in result.records], label=result.variant)
     for ax, ylabel in ((ax_speed, "tokens/s per GPU"), (ax_loss, "training loss")):
         if warmup:
             ax.axvspan(0.5, warmup + 0.5, color="0.9", label="warm-up (not timed)")

@@ -9,12 +9,12 @@
 #                                                       longest-3b longest-8b longest-qwen3_5 (that setup's peak
 #                                                       memory at three pack lengths, fitted: the longest pack
 #                                                       within 137 GiB, scripts/fit_longest.py)
-#   REPEATS=3 STEPS=10 WARMUP=4 SAMPLES=600 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
+#   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
 #
 # Each comparison runs every variant REPEATS times, alternating (A B A B ...), STEPS optimizer steps per run with the
-# first WARMUP untimed, on SAMPLES built-in samples (600: about 12 of the 16k-token packs, so a run stays in its first
-# epoch). Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
+# first WARMUP untimed, on SAMPLES built-in samples (800: twelve full 16k-token packs, then a short one that ends the
+# epoch, which no run reaches). Runs log every 5 steps (the bench recipes), so WARMUP=5 starts the timing at a log. Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
 # A comparison cut short by its limit keeps comparison.json of the rounds (one run of every variant) it finished.
 # Carried wheels in .whl/ (transformers 5.23, Liger-Kernel, ...) are installed into a private site dir first.
 set -uo pipefail
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 OUT=${1:-artifacts/gpu-rope}
 shift || true
 STAGES=${*:-tests bench compare-3b compare-8b compare-qwen3_5}
-REPEATS=${REPEATS:-3} STEPS=${STEPS:-10} WARMUP=${WARMUP:-4} SAMPLES=${SAMPLES:-600} COMPARE_LIMIT=${COMPARE_LIMIT:-540}
+REPEATS=${REPEATS:-3} STEPS=${STEPS:-12} WARMUP=${WARMUP:-5} SAMPLES=${SAMPLES:-800} COMPARE_LIMIT=${COMPARE_LIMIT:-540}
 REPORT_TO=${REPORT_TO:-wandb}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
@@ -76,10 +76,10 @@ for stage in $STAGES; do
     levers-8b) compare levers_8b bench-qwen3_vl-8b-shape fused,bf16-compiled ;;
     # without LLM checkpointing, where bf16-compiled was fastest (105 GiB); fused without it is not yet measured
     levers-qwen3_5) compare levers_qwen3_5 bench-qwen3_5-shape fused,bf16-compiled model.gradient_checkpointing_llm=false ;;
-    # lengths below each shape's out-of-memory point as the 16k runs' peaks (77, 87, 105 GiB) extrapolate
-    longest-3b) longest 3b bench-qwen2_5_vl-3b-shape "16384 24576 32768" ;;
-    longest-8b) longest 8b bench-qwen3_vl-8b-shape "16384 24576 32768" ;;
-    longest-qwen3_5) longest qwen3_5 bench-qwen3_5-shape "12288 16384 20480" model.gradient_checkpointing_llm=false ;;
+    # two lengths below each shape's out-of-memory point as the 16k runs' peaks (77, 87, 105 GiB) extrapolate
+    longest-3b) longest 3b bench-qwen2_5_vl-3b-shape "16384 24576" ;;
+    longest-8b) longest 8b bench-qwen3_vl-8b-shape "16384 24576" ;;
+    longest-qwen3_5) longest qwen3_5 bench-qwen3_5-shape "16384 20480" model.gradient_checkpointing_llm=false ;;
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
       "levers-qwen3_5 longest-3b longest-8b longest-qwen3_5)"; exit 2 ;;
   esac

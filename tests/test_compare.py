@@ -153,6 +153,28 @@ def test_ratios_and_loss_gaps_follow_the_baseline():
     assert not compare.same_data(shifted, results[1])
 
 
+def test_one_variant_is_measured_alone_from_its_logged_steps(tmp_path):
+    """A single variant (its repeats' spread, no peer) gets its row, table and plot; its step time is the mean over
+    the log intervals wholly after the warm-up: with logging.every_steps > 1 only a logged step carries one."""
+    runs = [
+        _result("bf16-compiled", [5.0, 4.0, 3.0, 2.5], [0.9] * 4, rate, repeat) for repeat, rate in ((1, 90), (2, 110))
+    ]
+    for run in runs:
+        for record in run.records[:3:2]:  # logged every second step: steps 2 and 4 carry the rates
+            del record["step_time_s"]
+        run.records[1]["step_time_s"] = 99.0  # the interval of steps 1-2: inside the warm-up, never timed
+    comparison = compare.compare(runs, "bf16-compiled", warmup=2)
+    assert [r["step"] for r in compare.timed_intervals(runs[0].records, 1)] == [4]  # steps 1-2 reach into it
+    assert compare.timed_intervals(runs[0].records, 3) == []  # a warm-up of 3 ends inside the interval 3-4
+    row = comparison["variants"]["bf16-compiled"]
+    assert row["tokens_per_s_per_gpu"] == pytest.approx(100.0)
+    assert row["step_time_s"] == pytest.approx((1000 / 90 + 1000 / 110) / 2)  # step 4 of each run
+    assert comparison["ratios"] == {}
+    assert "| bf16-compiled |" in compare.table(comparison)
+    compare.plot(runs, 2, "one variant", tmp_path / "comparison.png")
+    assert (tmp_path / "comparison.png").stat().st_size > 0
+
+
 def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
     """A variant's throughput is the median of its repeats with min and max beside it; a ratio is the ratio of
     medians with the range the repeats allow (min/max .. max/min); a run whose GPU was busy less than
@@ -184,16 +206,18 @@ def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
 
 
 def test_variant_selection_refuses_bad_requests():
-    """Unknown or repeated variants are errors; Liger is left out, with the reason, where it cannot apply; fewer
-    than two runnable variants is an error."""
+    """Unknown or repeated variants are errors; Liger is left out, with the reason, where it cannot apply; one
+    runnable variant is measured alone (its repeats' spread), none is an error."""
     with pytest.raises(ConfigError, match="unknown"):
         compare.select_variants("fused,fast", "qwen2_5_vl", None)
     with pytest.raises(ConfigError, match="twice"):
         compare.select_variants("fused,fused", "qwen2_5_vl", None)
     kept, left_out = compare.select_variants("fused,unfused,liger", "qwen3_vl", None)
     assert kept == ["fused", "unfused"] and "qwen3_vl" in left_out["liger"]
-    with pytest.raises(ConfigError, match="at least two"):
-        compare.select_variants("fused,liger", "qwen3_5", None)
+    kept, left_out = compare.select_variants("fused,liger", "qwen3_5", None)
+    assert kept == ["fused"] and "qwen3_5" in left_out["liger"]
+    with pytest.raises(ConfigError, match="no variant left"):
+        compare.select_variants("liger", "qwen3_5", None)
 
 
 def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,45 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
     assert load_config(str(out / "config.yaml")).train.output_dir == str(out)
     wandb_run = Path(summary["wandb_dir"])
     assert wandb_run.is_dir() and wandb_run.name.startswith("offline-run-") and wandb_run.parent == out / "wandb"
+
+
+def test_a_longer_log_interval_still_records_every_step(finished_run, data_cache, tmp_path):
+    """With logging.every_steps=3 (one device sync per interval) metrics.jsonl still has a record per step, each with
+    that step's own loss, gradient norm, learning rate and pack efficiency, equal to the every-step run's; the rates
+    come only on the logged steps (3, and 4: the last)."""
+    out, _ = finished_run
+    every_step = {r["step"]: r for r in read_metrics(out) if "loss" in r}
+    run = tmp_path / "every3"
+    summary = run_train(run, data_cache, "logging.every_steps=3", "checkpoint.export=false")
+    records = [r for r in read_metrics(run) if "loss" in r]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    for record in records:
+        for key in ("loss", "grad_norm", "lr", "pack_efficiency"):
+            assert record[key] == every_step[record["step"]][key], (record["step"], key)
+    assert [r["step"] for r in records if "tokens_per_s_per_gpu" in r] == [3, 4]
+    assert set(records[2]) >= METRIC_KEYS and set(records[3]) >= METRIC_KEYS
+    assert summary["loss_start"] == every_step[1]["loss"] and summary["loss_end"] == every_step[4]["loss"]
+
+
+def test_timed_throughput_ends_with_the_last_step(data_cache, tmp_path, monkeypatch):
+    """The summary's throughput covers the timed steps only: shutting the batch prefetcher down after the last step
+    (which can wait on a loader worker) is not counted. A 3 s shutdown would dwarf the tiny model's steps."""
+    from data.prefetch import Prefetcher
+
+    close = Prefetcher.close
+
+    def slow_close(self):
+        time.sleep(3.0)
+        close(self)
+
+    monkeypatch.setattr(Prefetcher, "close", slow_close)
+    run = tmp_path / "run"
+    summary = run_train(run, data_cache, "checkpoint.export=false", "checkpoint.save_final=false", "train.eval_every=0")
+    timed = [r for r in read_metrics(run) if r.get("step", 0) > 1 and "step_time_s" in r]
+    interval_s = sum(r["step_time_s"] for r in timed)
+    assert interval_s < 3.0  # the steps themselves are far shorter than the shutdown
+    tokens = sum(r["tokens_per_s_per_gpu"] * r["step_time_s"] for r in timed)
+    assert summary["tokens_per_s_per_gpu"] == pytest.approx(tokens / interval_s, rel=0.25)
 
 
 def test_resume_of_a_finished_run_keeps_its_results(finished_run, data_cache, tmp_path):
@@ -243,6 +283,7 @@ def test_a_local_checkpoint_trains_from_its_own_weights_and_processor(finished_r
 
 EXPORT_LOADER = """
 import sys
+import time
 from PIL import Image
 from transformers import AutoProcessor
 processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)

@@ -94,12 +94,12 @@ def train(
         result = steps.run()
         if tcfg.compile and step == start_step + 1:
             logger.emit(_first_compiled_step(step, result, started))
-        logger.record_step(step, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
+        logger.record_step(step, result.lr, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
         nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
         first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
         if logger.due(step):
             _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
-            logger.log(step, result.lr)
+            logger.log()
         do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
         do_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
         if do_eval or do_save:
@@ -110,9 +110,8 @@ def train(
                 if do_save:
                     _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
                     checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
+    timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
     steps.close()
-
-    timed = logger.close()
     if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
         eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
         logger.emit({"step": tcfg.max_steps, "eval_loss": eval_loss})

@@ -2,8 +2,13 @@
 
 The FLOP count is written once, in `pack_flops`; `FlopProfile.from_model` reads the numbers it needs from the model
 once at start-up. Everything per step is host arithmetic on Python ints the collator already computed, so counting
-never syncs with the device. `MetricsLogger` holds the loop's metric state (interval counts, device sums,
-stopwatches), syncs once per log interval and writes the records; `summarize` writes the run's summary.json.
+never syncs with the device. `MetricsLogger` holds the loop's metric state (interval counts, each step's device
+scalars, stopwatches), syncs once per log interval and writes the records; `summarize` writes the run's summary.json.
+
+metrics.jsonl holds one training record per optimizer step, written at the log that ends its interval: the step's
+own loss, gradient norm, learning rate and pack efficiency. The record of a logged step (every
+`logging.every_steps` and the last) also holds the interval's rates: tokens/s, step time, MFU, peak memory. So a
+loss curve has every step whatever the log interval, and a run pays one device sync per interval, not per step.
 """
 
 from __future__ import annotations
@@ -227,10 +232,20 @@ def interval_metrics(
         "vision_tokens_per_s": counts.vision_patches / per_gpu_s,
         "step_time_s": elapsed_s / max(counts.steps, 1),
         "mfu": None if peak is None else counts.flops / per_gpu_s / peak,
-        "pack_efficiency": counts.tokens / counts.budget_tokens if counts.budget_tokens else math.nan,
         "peak_mem_gib": peak_mem_gib,
         "skipped_samples": counts.skipped_samples,
     }
+
+
+@dataclass
+class PendingStep:
+    """One optimizer step waiting for the next log: its host values and its device scalars (not yet read)."""
+
+    step: int
+    lr: float
+    tokens: int  # this rank's real tokens
+    budget_tokens: int
+    device_values: torch.Tensor  # fp32 (3,): summed CE, label count, gradient norm
 
 
 class Stopwatch:
@@ -293,12 +308,12 @@ def image_grids(batch: dict) -> list[tuple[int, int, int]]:
 class MetricsLogger:
     """The training loop's metrics, from one step to the run's summary.
 
-    `record_step` (once per optimizer step, no host sync) counts the step's batches on the host and adds its device
-    scalars; `log_if_due` reduces the interval over ranks with one all-reduce and one host read every
-    `logging.every_steps` steps and at the last step, and writes the record to metrics.jsonl, the trackers and the
-    progress bar; `paused()` stops the clocks around evaluation and checkpoints; `timed()` is what a checkpoint
-    saves and `close()` the run's totals, for `summarize`. The first `logging.timing_warmup_steps` steps of each
-    launch are left out of the timed totals (allocator growth, autotuning, compilation).
+    `record_step` (once per optimizer step, no host sync) counts the step's batches on the host and keeps its device
+    scalars; `log` (when `due`: every `logging.every_steps` steps and at the last) reduces the interval's steps over
+    ranks with one all-reduce and one host read, and writes one record per step to metrics.jsonl, the trackers and
+    the progress bar (module docstring); `paused()` stops the clocks around evaluation and checkpoints; `timed()` is
+    what a checkpoint saves and `close()` the run's totals, for `summarize`. The first `logging.timing_warmup_steps`
+    steps of each launch are left out of the timed totals (allocator growth, autotuning, compilation).
     """
 
     def __init__(
@@ -317,9 +332,7 @@ class MetricsLogger:
         if accelerator.is_main_process:
             run_files.keep_metrics_through(run_dir, start_step)
         self.counts, self.timed_counts = IntervalCounts(), IntervalCounts()
-        self.loss_sum = torch.zeros((), device=device)
-        self.label_count = torch.zeros((), device=device)
-        self.grad_norm_sum = torch.zeros((), device=device)
+        self.pending: list[PendingStep] = []
         self.interval_clock, self.timed_clock = Stopwatch(device), Stopwatch(device)
         self.warmup_end = start_step + cfg.logging.timing_warmup_steps
         self.interval_clock.start()
@@ -339,20 +352,27 @@ class MetricsLogger:
         return self.cfg.packing.max_tokens if self.cfg.packing.mode == "packed" else batch["input_ids"].numel()
 
     def record_step(
-        self, step: int, host_batches: list[dict], loss_sum: torch.Tensor, label_count: torch.Tensor, grad_norm
+        self,
+        step: int,
+        lr: float,
+        host_batches: list[dict],
+        loss_sum: torch.Tensor,
+        label_count: torch.Tensor,
+        grad_norm: torch.Tensor,
     ) -> None:
-        """Add optimizer step `step`: its host batches' counts and FLOPs, its device loss sum, label count and
-        gradient norm (no sync)."""
+        """Add optimizer step `step` and the learning rate it used: its host batches' counts and FLOPs, its device
+        loss sum, label count and gradient norm (kept on the device until the next log: no sync)."""
+        step_counts = IntervalCounts()
         for batch in host_batches:
             if batch.get("context_rank", 0):  # a pack split over a context group is counted once, by its rank 0
                 continue
             flops = pack_flops(self.flop_profile, batch["sample_lengths"], image_grids(batch))
+            step_counts.add_batch(batch, self._budget(batch), flops)
             self.counts.add_batch(batch, self._budget(batch), flops)
             if self.timed_clock.running:
                 self.timed_counts.add_batch(batch, self._budget(batch), flops)
-        self.loss_sum += loss_sum
-        self.label_count += label_count
-        self.grad_norm_sum += grad_norm
+        device_values = torch.stack([loss_sum.float(), label_count.float(), grad_norm.float()])
+        self.pending.append(PendingStep(step, lr, step_counts.tokens, step_counts.budget_tokens, device_values))
         self.counts.steps += 1
         self.timed_counts.steps += self.timed_clock.running
         self.bar.update(1)
@@ -362,44 +382,49 @@ class MetricsLogger:
     def due(self, step: int) -> bool:
         return step % self.cfg.logging.every_steps == 0 or step == self.cfg.train.max_steps
 
-    def log(self, step: int, lr: float) -> None:
-        """Reduce the interval's device and host counters over ranks (one all-reduce, one host read), emit the
-        record, and start the next interval."""
-        accelerator, counts = self.accelerator, self.counts
+    def log(self) -> None:
+        """Reduce the interval's steps over ranks (one all-reduce, one host read), emit one record per step (the
+        last with the interval's rates), and start the next interval."""
+        accelerator, counts, pending = self.accelerator, self.counts, self.pending
         world = accelerator.num_processes
         elapsed = self.interval_clock.lap()
-        host = torch.tensor(
-            [
-                counts.tokens,
-                counts.text_tokens,
-                counts.image_tokens,
-                counts.vision_patches,
-                counts.budget_tokens,
-                counts.flops,
-                counts.skipped_samples,
-            ],
-            dtype=torch.float64,
-        )
-        device_sums = torch.stack([self.loss_sum, self.label_count, self.grad_norm_sum]).double()
-        values = accelerator.reduce(torch.cat([device_sums, host.to(accelerator.device)]), reduction="sum").tolist()
-        loss_sum, labels, grad_norm_sum, tokens, text, image, patches, budget, flops, skipped = values
+        host = [
+            *(value for p in pending for value in (p.tokens, p.budget_tokens)),
+            counts.tokens,
+            counts.text_tokens,
+            counts.image_tokens,
+            counts.vision_patches,
+            counts.budget_tokens,
+            counts.flops,
+            counts.skipped_samples,
+        ]
+        device_values = torch.stack([p.device_values for p in pending]).double().flatten()
+        host_values = torch.tensor(host, dtype=torch.float64).to(accelerator.device)
+        values = accelerator.reduce(torch.cat([device_values, host_values]), reduction="sum").tolist()
+        per_step, values = values[: 5 * len(pending)], values[5 * len(pending) :]
+        tokens, text, image, patches, budget, flops, skipped = values
         summed = IntervalCounts(
             counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
         )
         peak_mem = (
             torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
         )
-        record = {
-            "loss": loss_sum / max(labels, 1.0),
-            "grad_norm": grad_norm_sum / (world * max(counts.steps, 1)),
-            **interval_metrics(summed, elapsed, world, self.peak, peak_mem),
-        }
-        record.update(step=step, lr=lr)
-        self.emit(record)
+        device_part, host_part = per_step[: 3 * len(pending)], per_step[3 * len(pending) :]
+        for i, p in enumerate(pending):
+            loss_sum, labels, grad_norm_sum = device_part[3 * i : 3 * i + 3]
+            step_tokens, step_budget = host_part[2 * i : 2 * i + 2]
+            record = {
+                "step": p.step,
+                "lr": p.lr,
+                "loss": loss_sum / max(labels, 1.0),
+                "grad_norm": grad_norm_sum / world,
+                "pack_efficiency": step_tokens / step_budget if step_budget else math.nan,
+            }
+            if i == len(pending) - 1:
+                record.update(interval_metrics(summed, elapsed, world, self.peak, peak_mem))
+            self.emit(record)
         self.counts = IntervalCounts()
-        self.loss_sum.zero_()
-        self.label_count.zero_()
-        self.grad_norm_sum.zero_()
+        self.pending = []
 
     def emit(self, record: dict) -> None:
         """Write one record to metrics.jsonl and the trackers (main process) and refresh the progress bar."""
@@ -407,7 +432,7 @@ class MetricsLogger:
             return
         run_files.append_metrics(self.run_dir, record)
         self.accelerator.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
-        if "loss" in record:
+        if "tokens_per_s_per_gpu" in record:
             postfix = {"loss": f"{record['loss']:.4f}", "tok_s": f"{record['tokens_per_s_per_gpu']:.0f}"}
             self.bar.set_postfix(**postfix, refresh=False)
         log.info("%s", " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
