@@ -15,8 +15,10 @@ checkpoints/, final/ and wandb/.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -116,4 +118,6 @@ def cli(argv: list[str] | None = None) -> int | str:
 
 
 if __name__ == "__main__":
+    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a run that stopped making progress waits
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.exit(cli())

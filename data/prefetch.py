@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 
 import torch
+
+log = logging.getLogger(__name__)
+
+STALL_WARN_S = 60.0
+"""The training step warns after waiting this long for a batch, and again after every further wait as long: a slow
+or stalled data loader shows in the log instead of as a silent pause (the step itself never waits on data)."""
 
 
 class Prefetcher:
@@ -49,7 +57,17 @@ class Prefetcher:
         return self
 
     def __next__(self) -> dict:
-        batch, state, error = self._queue.get()
+        started = time.monotonic()
+        while True:
+            try:
+                batch, state, error = self._queue.get(timeout=STALL_WARN_S)
+                break
+            except queue.Empty:
+                log.warning(
+                    "waited %.0f s for the next batch: the data loader's workers are slow (large images, too few "
+                    "data.num_workers) or stalled",
+                    time.monotonic() - started,
+                )
         if error is not None:
             raise error
         self._state = state

@@ -8,6 +8,7 @@ import logging
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -677,6 +678,27 @@ def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_p
         AcceleratorState._reset_state(reset_partial_state=True)
     assert isinstance(result, str) and "\n" not in result
     assert re.search(message, result), result
+
+
+def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_path):
+    """`kill -USR1` on a train.py process dumps its threads' Python stacks to stderr (the diagnosis of a run that
+    stopped making progress) and the run still finishes."""
+    args = run_args(tmp_path / "run", data_cache, "checkpoint.export=false", "train.max_steps=12")
+    process = subprocess.Popen(
+        [sys.executable, "train.py", "--config", TINY, *args],
+        cwd=Path(train.__file__).parent,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    metrics_file = tmp_path / "run" / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not metrics_file.exists() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)  # training has started: the handler is in place
+    process.send_signal(signal.SIGUSR1)
+    stderr = process.communicate(timeout=300)[1]
+    assert process.returncode == 0, stderr[-2000:]
+    assert "Thread 0x" in stderr and 'File "' in stderr
 
 
 def test_inspect_data_config_error_is_one_line():
