@@ -9,12 +9,14 @@
 #                                                       longest-3b longest-8b longest-qwen3_5 (that setup's peak
 #                                                       memory at three pack lengths, fitted: the longest pack
 #                                                       within 137 GiB, scripts/fit_longest.py)
-#   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 REPORT_TO=wandb bash scripts/gpu_rope_suite.sh ...
+#   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 REPORT_TO=wandb \
+#     bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
 #
 # Each comparison runs every variant REPEATS times, alternating (A B A B ...), STEPS optimizer steps per run with the
 # first WARMUP untimed, on SAMPLES built-in samples (800: twelve full 16k-token packs, then a short one that ends the
-# epoch, which no run reaches). Runs log every 5 steps (the bench recipes), so WARMUP=5 starts the timing at a log. Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
+# epoch, which no run reaches). Runs log every 5 steps (the bench recipes), so WARMUP=5 starts the timing at a log.
+# A run still going after RUN_LIMIT seconds is killed after printing its threads' stacks into its train.log. Each stage has its own time limit and a failing stage does not stop the others; `status.txt` lists them.
 # A comparison cut short by its limit keeps comparison.json of the rounds (one run of every variant) it finished.
 # Carried wheels in .whl/ (transformers 5.23, Liger-Kernel, ...) are installed into a private site dir first.
 set -uo pipefail
@@ -23,6 +25,7 @@ OUT=${1:-artifacts/gpu-rope}
 shift || true
 STAGES=${*:-tests bench compare-3b compare-8b compare-qwen3_5}
 REPEATS=${REPEATS:-3} STEPS=${STEPS:-12} WARMUP=${WARMUP:-5} SAMPLES=${SAMPLES:-800} COMPARE_LIMIT=${COMPARE_LIMIT:-540}
+RUN_LIMIT=${RUN_LIMIT:-300}
 REPORT_TO=${REPORT_TO:-wandb}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
@@ -47,7 +50,8 @@ compare() {  # compare NAME RECIPE VARIANTS [OVERRIDE ...]
   local name=$1 recipe=$2 variants=$3
   shift 3
   step "compare_$name" "$COMPARE_LIMIT" $PY -m scripts.compare_throughput --config "recipes/$recipe.yaml" \
-    --variants "$variants" --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --out "$OUT/compare_$name" \
+    --variants "$variants" --repeats "$REPEATS" --steps "$STEPS" --warmup "$WARMUP" --run-timeout "$RUN_LIMIT" \
+    --out "$OUT/compare_$name" \
     data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to="$REPORT_TO" "$@"
 }
 

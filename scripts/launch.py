@@ -7,6 +7,7 @@ Used by compare_throughput.py and distributed_parity.py; `free_port` gives a lau
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -42,6 +43,29 @@ def kill_process_tree(pid: int) -> None:
     psutil.wait_procs([root], timeout=10)
 
 
+STACK_DUMP_WAIT_S = 2.0  # for the processes' stack dumps to reach the log before the kill
+
+
+def dump_stacks_then_kill(pid: int) -> None:
+    """SIGUSR1 to a launcher and every process under it, then `kill_process_tree`. train.py answers SIGUSR1 with every
+    thread's Python stack on stderr (its DataLoader workers inherit the handler), so the log says where a run that is
+    killed at its timeout was waiting; a process without a handler just ends, as it was about to."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        tree = [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return
+    for process in tree:
+        try:
+            process.send_signal(signal.SIGUSR1)
+        except psutil.NoSuchProcess:
+            continue
+    time.sleep(STACK_DUMP_WAIT_S)
+    kill_process_tree(pid)
+
+
 @dataclass(frozen=True)
 class Outcome:
     """How a launch ended: `code` (None when it was killed), its wall time, whether it was killed in teardown."""
@@ -62,7 +86,8 @@ def run_logged(
 ) -> Outcome:
     """Run `command` from the repository root with stdout and stderr in `log_path` and the collectives' safe
     settings (training/distributed.py) in its environment; kill it and every process under it after `timeout` s,
-    or `teardown_grace_s` after `done_file` appeared (its work is done then) if it never exits."""
+    or `teardown_grace_s` after `done_file` appeared (its work is done then) if it never exits, each after asking
+    for its stacks (`dump_stacks_then_kill`)."""
     start = time.perf_counter()
     deadline = time.monotonic() + timeout
     done_at = None
@@ -85,7 +110,7 @@ def run_logged(
                     done_at = now
                 hung_in_teardown = done_at is not None and now - done_at > teardown_grace_s
                 if hung_in_teardown or now > deadline:
-                    kill_process_tree(proc.pid)
+                    dump_stacks_then_kill(proc.pid)
                     proc.wait()
                     return Outcome(None, time.perf_counter() - start, hung_in_teardown)
 

@@ -25,6 +25,23 @@ def test_timeout_kills_the_launch(tmp_path):
     assert log_tail(log, 5) == "started"
 
 
+def test_a_launch_killed_at_its_timeout_leaves_its_stacks_in_the_log(tmp_path):
+    """A process that answers SIGUSR1 with its stacks (as train.py does) prints them into the log before the kill."""
+    log = tmp_path / "run.log"
+    script = (
+        "import faulthandler, signal, time\n"
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+        "def waiting_for_a_batch():\n"
+        "    time.sleep(120)\n"
+        "print('started', flush=True)\n"
+        "waiting_for_a_batch()\n"
+    )
+    outcome = run_logged([sys.executable, "-c", script], log, timeout=3)
+    assert outcome.code is None
+    text = log.read_text()
+    assert "waiting_for_a_batch" in text and ("Thread 0x" in text or "Current thread" in text)
+
+
 def test_a_launch_hanging_after_its_done_file_is_killed_in_teardown(tmp_path):
     """Once the done file exists, a launch still alive `teardown_grace_s` later is killed and reported as hung in
     teardown, long before its timeout."""
