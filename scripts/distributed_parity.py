@@ -9,6 +9,9 @@ resume/export.
 For each recipe, separate launches of train.py (every one with NVLink multicast off, training/distributed.py):
   single   one GPU, P accumulation micro-steps per optimizer step    python train.py
   single-repeat   the same launch again (--repeat-single)
+  bf16-compiled   one GPU on bf16 weights with fp32 masters in the optimizer, compiled    python train.py
+                  train.master_weights=optimizer train.compile=true (only when --layouts names it): the fastest
+                  one-GPU setup, judged against the 1-GPU run like a layout (issue 15's numerics)
   ddp      N GPUs, P/N micro-steps each                              accelerate launch … ddp.yaml
   fsdp2    N GPUs, sharded, with a checkpoint halfway                accelerate launch … fsdp2.yaml
   resume   fsdp2 again from that checkpoint, then its export loaded on the CPU (first recipe only; every recipe
@@ -70,9 +73,12 @@ from training.config import load_config
 from training.distributed import SAFE_COLLECTIVES_ENV
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
-LAYOUTS = ("single", "ddp", "fsdp2")  # what --layouts may name, in launch order
+FAST = "bf16-compiled"
+LAYOUTS = ("single", FAST, "ddp", "fsdp2")  # what --layouts may name, in launch order
+DEFAULT_LAYOUTS = ("single", "ddp", "fsdp2")
+LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true"]}  # after the user's: they win
 REPEAT = "single-repeat"  # the single layout launched again (--repeat-single): the reference's own run-to-run noise
-ONE_GPU_LAYOUTS = ("single", REPEAT)
+ONE_GPU_LAYOUTS = ("single", REPEAT, FAST)
 GRAD_NORM_TOL = 1e-2  # bf16 parameters under FSDP2 move the step-1 gradient norm by ~2e-3 (docs/benchmarks.md)
 NOISE_MULTIPLE = 2.0
 """With --repeat-single, a loss curve is within noise when its largest per-step gap to the 1-GPU run is at most this
@@ -89,7 +95,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recipes", default=DEFAULT_RECIPES, help="comma list; the first is the small one")
     parser.add_argument("--gpus", type=int, default=2, help="processes of the multi-GPU layouts")
     parser.add_argument(
-        "--layouts", default=",".join(LAYOUTS), help=f"comma list, a subset of {','.join(LAYOUTS)} (run in that order)"
+        "--layouts",
+        default=",".join(DEFAULT_LAYOUTS),
+        help=f"comma list, a subset of {','.join(LAYOUTS)} (run in that order)",
     )
     parser.add_argument(
         "--packs-per-step",
@@ -203,6 +211,7 @@ def launch_plan(args: argparse.Namespace, steps: int, with_resume: bool) -> dict
             *common_overrides(args, steps),
             *micro_step_overrides(layout, args.gpus, args.packs_per_step),
             *checkpoints,
+            *LAYOUT_OVERRIDES.get(layout, []),
         ]
         if layout == "single" and args.repeat_single:
             plan[REPEAT] = plan[layout]

@@ -7,8 +7,10 @@
 #                                                       levers-3b levers-8b levers-qwen3_5 (fused against
 #                                                       bf16-compiled: issues 14/15's fastest measured setup),
 #                                                       longest-3b longest-8b longest-qwen3_5 (that setup's peak
-#                                                       memory at three pack lengths, fitted: the longest pack
-#                                                       within 137 GiB, scripts/fit_longest.py)
+#                                                       memory at two pack lengths, fitted: the longest pack
+#                                                       within 137 GiB, scripts/fit_longest.py), curve-3b (30 steps
+#                                                       of bf16-compiled against the 1-GPU path and its own repeat,
+#                                                       scripts/distributed_parity.py: issue 15's numerics)
 #   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 REPORT_TO=wandb \
 #     bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
@@ -84,8 +86,11 @@ for stage in $STAGES; do
     longest-3b) longest 3b bench-qwen2_5_vl-3b-shape "16384 24576" ;;
     longest-8b) longest 8b bench-qwen3_vl-8b-shape "16384 24576" ;;
     longest-qwen3_5) longest qwen3_5 bench-qwen3_5-shape "16384 20480" model.gradient_checkpointing_llm=false ;;
+    curve-3b) step curve_3b 900 $PY -m scripts.distributed_parity --out "$OUT/curve_3b.json" --gpus 2 \
+      --recipes recipes/bench-qwen2_5_vl-3b-shape.yaml --layouts single,bf16-compiled --repeat-single --steps 30 \
+      --no-resume --launch-timeout 400 data.num_samples=4000 data.num_workers=8 ;;
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
-      "levers-qwen3_5 longest-3b longest-8b longest-qwen3_5)"; exit 2 ;;
+      "levers-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

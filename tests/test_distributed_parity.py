@@ -294,6 +294,22 @@ def test_repeat_single_is_one_gpu_with_the_single_overrides():
     assert parity.command_for(parity.REPEAT, 4, PORT) == parity.command_for("single", 4, PORT)
 
 
+def test_bf16_compiled_is_one_gpu_like_single_plus_its_two_keys():
+    """The bf16-compiled layout runs only when named: one GPU, single's packs and overrides, then bf16 weights with
+    fp32 masters in the optimizer and compile, which a user override cannot undo; it is judged against single."""
+    assert parity.FAST not in parity.launch_plan(parity.parse_args(["--out", "x.json"]), 10, with_resume=False)
+    argv = ["--out", "x.json", "--layouts", "fsdp2,bf16-compiled,single", "--repeat-single", "train.compile=false"]
+    plan = parity.launch_plan(parity.parse_args(argv), steps=10, with_resume=False)
+    assert list(plan) == ["single", parity.REPEAT, parity.FAST, "fsdp2"]
+    assert plan[parity.FAST] == [*plan["single"], "train.master_weights=optimizer", "train.compile=true"]
+    assert overrides_of(plan[parity.FAST])["train.compile"] == "true"
+    assert parity.num_processes(parity.FAST, 2) == 1
+    assert parity.command_for(parity.FAST, 2, PORT) == parity.command_for("single", 2, PORT)
+    runs = {"single": fake_run(1, 100.0, {1: 5.0, 2: 4.0}), parity.FAST: fake_run(1, 130.0, {1: 5.0, 2: 4.02})}
+    row = parity.summarize("recipes/x.yaml", 2, parity.parse_args(argv), runs, {}, None)["layouts"][parity.FAST]
+    assert row["max_abs_dloss_vs_single"] == pytest.approx(0.02) and row["single_from"] == "this run"
+
+
 def test_repeat_sets_the_loss_tolerance():
     """With a repeat, a loss curve passes within 2x the 1-GPU run's gap to its repeat (not the fixed --loss-tol,
     which still holds where it is larger); the repeat's own row is marked as the noise, not judged; without a
