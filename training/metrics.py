@@ -388,6 +388,7 @@ class MetricsLogger:
         accelerator, counts, pending = self.accelerator, self.counts, self.pending
         world = accelerator.num_processes
         elapsed = self.interval_clock.lap()
+        n = len(pending)
         host = [
             *(value for p in pending for value in (p.tokens, p.budget_tokens)),
             counts.tokens,
@@ -401,26 +402,25 @@ class MetricsLogger:
         device_values = torch.stack([p.device_values for p in pending]).double().flatten()
         host_values = torch.tensor(host, dtype=torch.float64).to(accelerator.device)
         values = accelerator.reduce(torch.cat([device_values, host_values]), reduction="sum").tolist()
-        per_step, values = values[: 5 * len(pending)], values[5 * len(pending) :]
-        tokens, text, image, patches, budget, flops, skipped = values
+        step_device, step_host, interval = values[: 3 * n], values[3 * n : 5 * n], values[5 * n :]
+        tokens, text, image, patches, budget, flops, skipped = interval
         summed = IntervalCounts(
             counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
         )
         peak_mem = (
             torch.cuda.max_memory_allocated(accelerator.device) / 2**30 if accelerator.device.type == "cuda" else None
         )
-        device_part, host_part = per_step[: 3 * len(pending)], per_step[3 * len(pending) :]
         for i, p in enumerate(pending):
-            loss_sum, labels, grad_norm_sum = device_part[3 * i : 3 * i + 3]
-            step_tokens, step_budget = host_part[2 * i : 2 * i + 2]
+            loss_sum, labels, grad_norm_sum = step_device[3 * i : 3 * i + 3]
+            step_tokens, step_budget = step_host[2 * i : 2 * i + 2]
             record = {
                 "step": p.step,
                 "lr": p.lr,
                 "loss": loss_sum / max(labels, 1.0),
-                "grad_norm": grad_norm_sum / world,
+                "grad_norm": grad_norm_sum / world,  # every rank holds the global norm
                 "pack_efficiency": step_tokens / step_budget if step_budget else math.nan,
             }
-            if i == len(pending) - 1:
+            if i == n - 1:
                 record.update(interval_metrics(summed, elapsed, world, self.peak, peak_mem))
             self.emit(record)
         self.counts = IntervalCounts()
