@@ -124,7 +124,8 @@ def test_a_longer_log_interval_still_records_every_step(finished_run, data_cache
     out, _ = finished_run
     every_step = {r["step"]: r for r in read_metrics(out) if "loss" in r}
     run = tmp_path / "every3"
-    summary = run_train(run, data_cache, "logging.every_steps=3", "checkpoint.export=false")
+    overrides = ("logging.every_steps=3", "train.eval_every=0", "checkpoint.every_steps=0", "checkpoint.export=false")
+    summary = run_train(run, data_cache, *overrides)
     records = [r for r in read_metrics(run) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
     for record in records:
@@ -133,6 +134,20 @@ def test_a_longer_log_interval_still_records_every_step(finished_run, data_cache
     assert [r["step"] for r in records if "tokens_per_s_per_gpu" in r] == [3, 4]
     assert set(records[2]) >= METRIC_KEYS and set(records[3]) >= METRIC_KEYS
     assert summary["loss_start"] == every_step[1]["loss"] and summary["loss_end"] == every_step[4]["loss"]
+
+
+def test_evaluations_and_checkpoints_end_a_log_interval(data_cache, tmp_path):
+    """With a log interval longer than the evaluation and checkpoint intervals, each of those steps is logged first:
+    metrics.jsonl stays in step order (wandb drops a step older than one it has seen), and the checkpoint of step 2
+    has every step through 2 written before it, for a resume."""
+    run = tmp_path / "run"
+    run_train(run, data_cache, "logging.every_steps=10", "train.eval_every=3", "checkpoint.every_steps=2")
+    records = read_metrics(run)
+    steps = [r["step"] for r in records]
+    assert steps == sorted(steps)
+    assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4]
+    assert [r["step"] for r in records if "tokens_per_s_per_gpu" in r] == [2, 3, 4]
+    assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]
 
 
 def test_timed_throughput_ends_with_the_last_step(data_cache, tmp_path, monkeypatch):

@@ -97,18 +97,19 @@ def train(
         logger.record_step(step, result.lr, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
         nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
         first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
-        if logger.due(step):
-            _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
-            logger.log()
         do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
         do_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
+        # An evaluation or a checkpoint also ends the log interval: metrics.jsonl (and wandb, which drops a step
+        # older than one it has seen) stays in step order, and a resume from the checkpoint finds every earlier step.
+        if logger.due(step) or do_eval or do_save:
+            _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
+            logger.log()
         if do_eval or do_save:
             with logger.paused():
                 if do_eval:
                     eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
                     logger.emit({"step": step, "eval_loss": eval_loss})
-                if do_save:
-                    _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
+                if do_save:  # the check above ran for this step: no NaN weights are saved
                     checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
     timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
     steps.close()
