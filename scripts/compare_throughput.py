@@ -322,27 +322,18 @@ def gpu_busy(result: RunResult, warmup: int) -> float | None:
     return _mean([busy for step, busy in result.busy_samples if warmup <= step < last])
 
 
-def timed_intervals(records: list[dict], warmup: int) -> list[dict]:
-    """The records of the log intervals that lie wholly after step `warmup` (only a logged step's record has an
-    interval's rates, and an interval reaching back into the warm-up would carry its compilation)."""
-    logged = [r for r in records if "step_time_s" in r]
-    starts = [0, *(r["step"] for r in logged)]  # each interval starts after the previous logged step
-    return [r for r, start in zip(logged, starts, strict=False) if start >= warmup]
-
-
 def run_numbers(result: RunResult, warmup: int) -> dict:
     """One run: train.py's throughput over its timed steps and its GPU-busy fraction."""
-    busy = gpu_busy(result, warmup)
-    timed = timed_intervals(result.records, warmup)
+    busy, summary = gpu_busy(result, warmup), result.summary
     return {
         "repeat": result.repeat,
-        "tokens_per_s_per_gpu": result.summary["tokens_per_s_per_gpu"],
-        "step_time_s": _mean([r["step_time_s"] for r in timed]),
-        "mfu": result.summary["mfu"],
+        "tokens_per_s_per_gpu": summary["tokens_per_s_per_gpu"],
+        "step_time_s": summary["timed_seconds"] / summary["timed_steps"] if summary["timed_steps"] else None,
+        "mfu": summary["mfu"],
         "gpu_busy": busy,
         "host_bound": busy is not None and busy < HOST_BOUND_THRESHOLD,
         "run_dir": str(result.run_dir),
-        "wandb_dir": result.summary.get("wandb_dir"),
+        "wandb_dir": summary.get("wandb_dir"),
         "wall_s": result.wall_s,
     }
 

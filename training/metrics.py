@@ -486,6 +486,7 @@ def summarize(
         "tokens_per_s_per_gpu": tokens / seconds if timed.steps else None,
         "mfu": flops / seconds / peak if timed.steps and peak is not None else None,
         "timed_steps": timed.steps,
+        "timed_seconds": timed.seconds,  # this rank's wall time of the timed steps (step time = this / timed_steps)
         "peak_mem_gib": max(peaks) if peaks else None,
         "samples_skipped_at_load": sum(r.get("skipped_samples", 0) for r in train_records),
         "num_processes": world,
