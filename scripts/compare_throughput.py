@@ -13,9 +13,11 @@ device sync per interval, as training does; the loss curve still has every step)
 over its repeats, with the spread (min-max) beside it; a ratio is the ratio of medians, with the range
 min(A)/max(B) .. max(A)/min(B) that the repeats allow. Each run logs to wandb in one group with its variant as a tag
 (offline automatically without a login). Writes into --out: one run directory per run (`<variant>/run<i>`),
-`comparison.json`, `comparison.png` (tokens/s per logged step and loss per step, first repeat) and `comparison.md`
-(the table), and prints the table. The JSON and the table are rewritten after every full round of variants, so a
-session cut short keeps the rounds it finished.
+`comparison.json`, `comparison.png` (tokens/s per logged step and loss per step, each variant's first finished run)
+and `comparison.md` (the table), and prints the table. The JSON and the table are rewritten after every full round
+of variants, so a session cut short keeps the rounds it finished. A run that fails (or is killed at --run-timeout,
+after printing its stacks into its train.log) is listed under `failed` and the comparison goes on with the others;
+the script then exits non-zero.
 
 Is the host the bottleneck? While a run trains, NVML's GPU utilisation of the run's GPU (the share of each ~0.2-1 s
 window in which any kernel ran) is sampled every 0.1 s and tagged with the last step the run has logged; the mean of
@@ -27,15 +29,15 @@ the GPU (a shared or slow host CPU moves it). A GPU-bound training step measures
 comparison.json:
   recipe, overrides, steps, warmup_steps, repeats, run_order ([variant, repeat] in the order run), wandb_group,
   left_out {variant: reason}, environment {device, torch, transformers, commit, date_utc}, host_bound_threshold,
-  baseline, variants {name: {
+  failed [{variant, repeat, error}], baseline, variants {name: {
       tokens_per_s_per_gpu, step_time_s, mfu: medians over the repeats; tokens_per_s_min, tokens_per_s_max,
       tokens_per_s_spread (max-min over median); <key>_ratio for those three (ratio of medians to the baseline);
       gpu_busy (median over runs), host_bound (any run flagged); peak_mem_gib, loss_end, pack_efficiency,
-      timed_steps, fused_rope (first repeat); max_abs_dloss_vs_baseline, same_data_as_baseline (first repeats,
+      timed_steps, fused_rope (first finished run); max_abs_dloss_vs_baseline, same_data_as_baseline (first runs,
       null for a padded run against a packed baseline); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
       gpu_busy, host_bound, run_dir, wandb_dir, wall_s}]}},
   ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float},
-  curves {variant: metrics.jsonl training records of its first repeat}
+  curves {variant: metrics.jsonl training records of its first finished run}
 
 Variants (train.py overrides they set):
   fused    kernels.mrope=fused,   packing.mode=packed
@@ -444,15 +446,23 @@ def ratio_lines(ratios: dict) -> str:
     return "\n".join(lines)
 
 
+def first_runs(results: list[RunResult]) -> dict[str, RunResult]:
+    """Each variant's first finished run (its first repeat unless that one failed), in run order."""
+    firsts: dict[str, RunResult] = {}
+    for result in results:
+        firsts.setdefault(result.variant, result)
+    return firsts
+
+
 def plot(results: list[RunResult], warmup: int, title: str, path: Path) -> None:
-    """tokens/s per GPU and loss against the step, one line per variant (its first repeat); warm-up shaded."""
+    """tokens/s per GPU and loss against the step, one line per variant (its first finished run); warm-up shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_speed, ax_loss) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for result in (r for r in results if r.repeat == 1):
+    for result in first_runs(results).values():
         logged = [r for r in result.records if "tokens_per_s_per_gpu" in r]
         ax_speed.plot([r["step"] for r in logged], [r["tokens_per_s_per_gpu"] for r in logged], label=result.variant)
         ax_loss.plot([r["step"] for r in result.records], [r["loss"] for r in result.records], label=result.variant)
@@ -527,26 +537,35 @@ def main(argv: list[str] | None = None) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     title = f"{recipe} — {env_info['device']}, {env_info['date_utc']} UTC, commit {env_info['commit']}"
     results: list[RunResult] = []
-    for variant, repeat in order:
-        results.append(run_variant(variant, repeat, args, model_type, out_dir, group, steps, warmup))
+    failed: list[dict] = []
+    report = None
+    for index, (variant, repeat) in enumerate(order):
+        try:
+            results.append(run_variant(variant, repeat, args, model_type, out_dir, group, steps, warmup))
+        except RuntimeError as error:  # a failed or stalled run is reported; the other runs still count
+            print(f"[compare] {variant} run {repeat} failed; the comparison goes on: {error}", flush=True)
+            failed.append({"variant": variant, "repeat": repeat, "error": str(error).splitlines()[0]})
         # After each full round, so a session cut short (a time limit) still leaves the rounds it finished.
-        if len(results) % len(variants) == 0:
+        if variant == variants[-1] and any(r.variant == baseline for r in results):
             report = {
                 "recipe": args.config,
                 "overrides": args.overrides,
                 "steps": steps,
                 "warmup_steps": warmup,
-                "repeats": len(results) // len(variants),
-                "run_order": [list(item) for item in order[: len(results)]],
+                "repeats": repeat,
+                "run_order": [list(item) for item in order[: index + 1]],
+                "failed": failed,
                 "wandb_group": group,
                 "left_out": left_out,
                 "environment": env_info,
                 **compare(results, baseline, warmup),
-                "curves": {r.variant: r.records for r in results if r.repeat == 1},
+                "curves": {variant: run.records for variant, run in first_runs(results).items()},
             }
             text, ratios = table(report), ratio_lines(report["ratios"])
             (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
             (out_dir / "comparison.md").write_text(f"{title}\n\n{text}\n\n{ratios}\n")
+    if report is None:
+        raise RuntimeError(f"no run of the baseline {baseline} finished: {failed}")
     plot(results, warmup, title, out_dir / "comparison.png")
     print(f"\n{title}\n\n{text}\n\n{ratios}\n")
     print(f"[compare] wrote {out_dir}/comparison.{{json,png,md}}")
@@ -561,6 +580,8 @@ def _checkpoint_model_type(name_or_path: str) -> str:
 
 if __name__ == "__main__":
     try:
-        main()
+        failures = main()["failed"]
     except (ConfigError, RuntimeError) as error:
         sys.exit(f"[compare] error: {error}")
+    if failures:
+        sys.exit(f"[compare] {len(failures)} run(s) failed; comparison.json lists them under 'failed'")

@@ -175,6 +175,36 @@ def test_one_variant_is_measured_alone(tmp_path):
     assert (tmp_path / "comparison.png").stat().st_size > 0
 
 
+def test_a_failed_run_is_listed_and_the_others_still_count(tmp_path, monkeypatch):
+    """A run that fails (or is killed at its timeout) goes into `failed` and the comparison goes on: the other runs
+    give the medians; with no finished run of the baseline there is nothing to compare with, and main says so."""
+
+    def fake_run(variant, repeat, *args):
+        if (variant, repeat) == ("fused", 1):
+            raise RuntimeError("variant fused run 1 failed (killed after --run-timeout 300 s); end of train.log:\n...")
+        rate = {"fused": 120.0, "unfused": 100.0}[variant] + repeat
+        return _result(variant, [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], rate, repeat)
+
+    monkeypatch.setattr(compare, "run_variant", fake_run)
+    argv = ["--config", TINY, "--steps", "3", "--warmup", "1", "--repeats", "2", "--out", str(tmp_path / "a")]
+    report = compare.main(argv)
+    assert report["failed"] == [
+        {
+            "variant": "fused",
+            "repeat": 1,
+            "error": "variant fused run 1 failed (killed after --run-timeout 300 s); end of train.log:",
+        }
+    ]
+    assert [run["repeat"] for run in report["variants"]["fused"]["runs"]] == [2]
+    assert report["variants"]["fused"]["tokens_per_s_per_gpu"] == pytest.approx(122.0)
+    assert report["variants"]["unfused"]["tokens_per_s_per_gpu"] == pytest.approx(101.5)
+    assert json.loads((tmp_path / "a" / "comparison.json").read_text())["failed"] == report["failed"]
+
+    monkeypatch.setattr(compare, "run_variant", lambda *a: fake_run("fused", 1))
+    with pytest.raises(RuntimeError, match="no run of the baseline"):
+        compare.main([*argv[:-1], str(tmp_path / "b")])
+
+
 def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
     """A variant's throughput is the median of its repeats with min and max beside it; a ratio is the ratio of
     medians with the range the repeats allow (min/max .. max/min); a run whose GPU was busy less than
