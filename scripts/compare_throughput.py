@@ -559,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "left_out": left_out,
                 "environment": env_info,
                 **compare(results, baseline, warmup),
-                "curves": {variant: run.records for variant, run in first_runs(results).items()},
+                "curves": {name: run.records for name, run in first_runs(results).items()},
             }
             text, ratios = table(report), ratio_lines(report["ratios"])
             (out_dir / "comparison.json").write_text(json.dumps(report, indent=2) + "\n")
