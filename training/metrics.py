@@ -7,8 +7,9 @@ scalars, stopwatches), syncs once per log interval and writes the records; `summ
 
 metrics.jsonl holds one training record per optimizer step, written at the log that ends its interval: the step's
 own loss, gradient norm, learning rate and pack efficiency. The record of a logged step (every
-`logging.every_steps` and the last) also holds the interval's rates: tokens/s, step time, MFU, peak memory. So a
-loss curve has every step whatever the log interval, and a run pays one device sync per interval, not per step.
+`logging.every_steps`, each evaluation and checkpoint, and the last) also holds the interval's rates: tokens/s, step
+time, MFU, peak memory. So a loss curve has every step whatever the log interval, and a run pays one device sync
+per interval, not per step.
 """
 
 from __future__ import annotations
@@ -309,7 +310,7 @@ class MetricsLogger:
     """The training loop's metrics, from one step to the run's summary.
 
     `record_step` (once per optimizer step, no host sync) counts the step's batches on the host and keeps its device
-    scalars; `log` (when `due`: every `logging.every_steps` steps and at the last) reduces the interval's steps over
+    scalars; `log` (when `due`, and before an evaluation or checkpoint) reduces the interval's steps over
     ranks with one all-reduce and one host read, and writes one record per step to metrics.jsonl, the trackers and
     the progress bar (module docstring); `paused()` stops the clocks around evaluation and checkpoints; `timed()` is
     what a checkpoint saves and `close()` the run's totals, for `summarize`. The first `logging.timing_warmup_steps`
