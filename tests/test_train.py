@@ -299,7 +299,6 @@ def test_a_local_checkpoint_trains_from_its_own_weights_and_processor(finished_r
 
 EXPORT_LOADER = """
 import sys
-import time
 from PIL import Image
 from transformers import AutoProcessor
 processor = AutoProcessor.from_pretrained(sys.argv[1], trust_remote_code=True)
