@@ -268,7 +268,9 @@ def ours(problem: Problem, rank: int, world_size: int, group: dist.ProcessGroup)
 def torch_cp(problem: Problem, rank: int, world_size: int, mesh, rotate: str) -> Iterator[tuple[Step, dict]]:
     """torch's context_parallel: q, k, v, dout as its buffers (sharded in place by its load balancer), SDPA inside
     the context with is_causal=True. Whatever the context leaves patched on an error (older torch versions restore
-    nothing when the body raises) is put back."""
+    nothing when the body raises) is put back, and so is what it leaves registered on any exit: its registry of
+    patched functions keeps each SDPA wrapper, and through it the mesh and the process group, alive until the
+    interpreter shuts down, where gloo's worker threads, still running, then abort the process."""
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.experimental import context_parallel as torch_context_parallel
     from torch.distributed.tensor.experimental._attention import set_rotate_method
@@ -276,6 +278,8 @@ def torch_cp(problem: Problem, rank: int, world_size: int, mesh, rotate: str) ->
     set_rotate_method(rotate)
     buffers = [t.detach().clone() for t in (problem.q, problem.k, problem.v, problem.dout)]
     sdpa, handlers = F.scaled_dot_product_attention, DTensor._op_dispatcher._custom_op_handlers
+    registered = _patched_functions_registry()
+    wrappers_before = set(registered)
     notes: dict = {"rotate_method": rotate}
     try:
         with torch_context_parallel(mesh, buffers=buffers, buffer_seq_dims=[2] * 4, no_restore_buffers=set(buffers)):
@@ -287,6 +291,18 @@ def torch_cp(problem: Problem, rank: int, world_size: int, mesh, rotate: str) ->
     finally:
         F.scaled_dot_product_attention = sdpa
         DTensor._op_dispatcher._custom_op_handlers = handlers
+        for wrapper in set(registered) - wrappers_before:
+            del registered[wrapper]
+
+
+def _patched_functions_registry() -> dict:
+    """torch's context_parallel's record of the functions it patched (wrapper -> original), never emptied; {} on a
+    torch without one."""
+    try:
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError:  # torch before the module moved
+        from torch.distributed.tensor.experimental import _attention
+    return getattr(_attention, "_replaced_functions", {})
 
 
 def _error(error: BaseException) -> str:

@@ -5,6 +5,7 @@ reference and torch's engine (no CPU kernel for its ring) is recorded as failed 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 
@@ -145,3 +146,37 @@ def test_two_process_gloo_run_matches_the_reference_and_records_failures(tmp_pat
             row = rows[length, engine]
             assert "error" in row or max(row["max_abs_diff"].values()) < 1e-5, row
     assert "ours_allgather_kv" in output and f"wrote {out}" in output
+
+
+def test_torch_engine_leaves_nothing_of_its_context_behind(tmp_path):
+    """torch's context_parallel records each SDPA wrapper it installs in a module registry it never empties; the
+    wrapper holds the mesh and so the process group, which then outlives destroy_process_group until interpreter
+    shutdown, where gloo's worker threads abort the process (a flaky SIGABRT after the two-process run's report).
+    The engine's context must leave that registry, SDPA and DTensor's handlers as it found them, body raising or
+    not."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from scripts.bench_cp_attention import _patched_functions_registry, make_problem, torch_cp
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        args = parse_args(["--out", "x.json", "--heads=2", "--kv-heads=1", "--head-dim=8", "--dtype=float32"])
+        problem = make_problem(8, args, torch.device("cpu"), seed=0)
+        registry, before = _patched_functions_registry(), dict(_patched_functions_registry())
+        sdpa, handlers = F.scaled_dot_product_attention, DTensor._op_dispatcher._custom_op_handlers
+        for raising in (False, True):
+            body_error = pytest.raises(RuntimeError, match="body") if raising else contextlib.nullcontext()
+            with body_error, torch_cp(problem, 0, 1, mesh, "allgather"):
+                assert F.scaled_dot_product_attention is not sdpa  # torch's wrapper is in place inside
+                assert len(registry) == len(before) + 1
+                if raising:
+                    raise RuntimeError("body")
+            assert registry == before
+            assert F.scaled_dot_product_attention is sdpa
+            assert DTensor._op_dispatcher._custom_op_handlers is handlers
+    finally:
+        dist.destroy_process_group()
