@@ -15,6 +15,8 @@ import functools
 import hashlib
 import json
 import logging
+import multiprocessing
+import multiprocessing.forkserver
 import os
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -199,6 +201,8 @@ class StepLoader:
         self.step_vision = step_vision  # batches (dicts) carry STEP_VISION: the micro-step's kinds over all ranks
         self.epoch, self.step_in_epoch = 0, 0
         self._reported_epochs: set[int] = set()
+        if num_workers > 0:
+            worker_start_context()
 
     def packs(self, epoch: int) -> Iterator[Pack]:
         """The epoch's packs (packed mode: best-fit-decreasing; padded mode: consecutive samples)."""
@@ -237,7 +241,13 @@ class StepLoader:
             epoch_batches = _EpochBatches(self, self.epoch, first_step=self.step_in_epoch)
             remaining = epoch_batches
             if self.num_workers > 0:
-                remaining = DataLoader(epoch_batches, batch_size=None, num_workers=self.num_workers, prefetch_factor=4)
+                remaining = DataLoader(
+                    epoch_batches,
+                    batch_size=None,
+                    num_workers=self.num_workers,
+                    prefetch_factor=4,
+                    multiprocessing_context=worker_start_context(),
+                )
             yielded = self.step_in_epoch
             for batch in remaining:
                 self.step_in_epoch += 1
@@ -308,6 +318,23 @@ the same steps, so each knows which vision calls the others make without a colle
 def step_vision_kinds(step: list[Pack]) -> tuple[bool, bool]:
     items = [item for pack in step for item in pack.items]
     return any(item.has_images for item in items), any(item.has_videos for item in items)
+
+
+def worker_start_context() -> multiprocessing.context.BaseContext:
+    """Loader workers start from a forkserver, never by forking the training process. Each epoch's workers are
+    started by the batch prefetcher's thread (data/prefetch.py) while the main thread launches kernels and compiles;
+    a fork then copies locks other threads hold (a module's import lock, a library's mutex), and a child that takes
+    one waits forever: the loader stalls on that worker's batch. Python 3.12 warns on fork with threads and 3.14
+    changed the default to forkserver; naming it keeps one behaviour on every version. The server preloads
+    data/worker_server.py (the pipeline's imports, and the SIGUSR1 stack dump); each worker then imports the main
+    module, as spawned processes do, so a script that builds loaders needs its `if __name__ == "__main__"` guard.
+
+    Starts the server if it is not running; a loader with workers calls this when built, so the server's imports
+    overlap the model's setup instead of delaying the first batch."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["data.worker_server"])
+    multiprocessing.forkserver.ensure_running()
+    return context
 
 
 class _EpochBatches(IterableDataset):
@@ -387,24 +414,55 @@ def _in_memory(
         if _kept_item(row, max_tokens, stats, raise_errors) is not None:
             splits[is_eval_row(index, data_cfg.eval_fraction)].append(index)
     stats.kept_train, stats.kept_eval = len(splits[False]), len(splits[True])
-    lengths = np.asarray(meta["length"], dtype=np.int64)
-    patches = np.asarray(meta["num_patches"], dtype=np.int64)
+    rows = _RowMeta(
+        lengths=np.asarray(meta["length"], dtype=np.int64),
+        patches=np.asarray(meta["num_patches"], dtype=np.int64),
+        kinds=kinds,
+    )
+    train_items = _SampleOrder(rows, np.asarray(splits[False], dtype=np.int64), seed=data_cfg.seed)
+    eval_items = _SampleOrder(rows, np.asarray(splits[True], dtype=np.int64), seed=None)
+    return train_items, eval_items, _RowFetch(processed)
 
-    def items_of(indices: list[int], shuffle: bool) -> Callable[[int], Iterator[PackItem]]:
-        def items(epoch: int) -> Iterator[PackItem]:
-            order = np.asarray(indices, dtype=np.int64)
-            if shuffle:
-                order = np.random.default_rng([data_cfg.seed, epoch]).permutation(order)
-            for i in order.tolist():
-                has_images, has_videos = kinds[i].tolist()
-                yield PackItem(i, int(lengths[i]), int(patches[i]), has_images=has_images, has_videos=has_videos)
 
-        return items
+# The in-memory plan's parts are module-level classes, not closures: loader workers start from a forkserver
+# (_EpochBatches), so everything an epoch's plan calls is pickled to them.
 
-    def fetch(keys: list[int]) -> list[dict]:
-        return [processed[int(k)] for k in keys]
 
-    return items_of(splits[False], shuffle=True), items_of(splits[True], shuffle=False), fetch
+@dataclass(frozen=True)
+class _RowMeta:
+    """Per processed row (kept or skipped): token length, patch count and (has images, has videos)."""
+
+    lengths: np.ndarray
+    patches: np.ndarray
+    kinds: np.ndarray
+
+
+@dataclass(frozen=True)
+class _SampleOrder:
+    """`items(epoch)`: one split's samples as PackItems, reshuffled per epoch when seeded, in row order otherwise."""
+
+    rows: _RowMeta
+    indices: np.ndarray
+    seed: int | None
+
+    def __call__(self, epoch: int) -> Iterator[PackItem]:
+        order = self.indices
+        if self.seed is not None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(order)
+        rows = self.rows
+        for i in order.tolist():
+            has_images, has_videos = rows.kinds[i].tolist()
+            yield PackItem(i, int(rows.lengths[i]), int(rows.patches[i]), has_images=has_images, has_videos=has_videos)
+
+
+@dataclass(frozen=True)
+class _RowFetch:
+    """`fetch(keys)`: the processed rows of those row indices."""
+
+    processed: Dataset
+
+    def __call__(self, keys: list[int]) -> list[dict]:
+        return [self.processed[int(k)] for k in keys]
 
 
 def _streaming(

@@ -48,8 +48,8 @@ STACK_DUMP_WAIT_S = 2.0  # for the processes' stack dumps to reach the log befor
 
 def dump_stacks_then_kill(pid: int) -> None:
     """SIGUSR1 to a launcher and every process under it, then `kill_process_tree`. train.py answers SIGUSR1 with every
-    thread's Python stack on stderr (its DataLoader workers inherit the handler), so the log says where a run that is
-    killed at its timeout was waiting; a process without a handler just ends, as it was about to."""
+    thread's Python stack on stderr (so do its loader workers: data/worker_server.py), so the log says where a run
+    that is killed at its timeout was waiting; a process without a handler just ends, as it was about to."""
     import psutil
 
     try:

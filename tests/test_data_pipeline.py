@@ -7,11 +7,13 @@ import os
 import random
 import re
 import shutil
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 from datasets import Dataset, Image, List
+from torch.utils.data import get_worker_info
 
 from core.families import hf_config
 from data.config import PackingConfig
@@ -440,19 +442,39 @@ def test_parallel_processing_matches_serial(tmp_path):
     assert rows[1] == rows[2] and len(rows[1]) > 0
 
 
-def synthetic_loader(samples, rank=0, world_size=1, grad_accum_steps=1, window=1, num_workers=0):
+class SyntheticItems:
+    """`items(epoch)` of synthetic_loader; a class, as loader workers (a forkserver's children) unpickle it."""
+
+    def __init__(self, samples: int):
+        rng = random.Random(0)
+        self.samples = samples
+        self.sizes = [(rng.randint(340, 500), rng.choice([0, 64, 256])) for _ in range(samples)]
+
+    def __call__(self, epoch: int):
+        order = random.Random(epoch).sample(range(self.samples), self.samples)
+        return (PackItem(key=k, length=self.sizes[k][0], num_patches=self.sizes[k][1]) for k in order)
+
+
+HELD_IN_THE_TRAINING_PROCESS = threading.Lock()
+
+
+class LockTakingItems(SyntheticItems):
+    """SyntheticItems whose plan, in a loader worker, takes HELD_IN_THE_TRAINING_PROCESS."""
+
+    def __call__(self, epoch: int):
+        if get_worker_info() is not None:
+            if not HELD_IN_THE_TRAINING_PROCESS.acquire(timeout=5):
+                raise RuntimeError("the worker inherited a lock that another thread of the training process held")
+            HELD_IN_THE_TRAINING_PROCESS.release()
+        return super().__call__(epoch)
+
+
+def synthetic_loader(samples, rank=0, world_size=1, grad_accum_steps=1, window=1, num_workers=0, items=SyntheticItems):
     """A StepLoader over `samples` samples of 340-500 tokens in 1000-token packs, so every pack holds exactly two
     (three never fit) and an epoch has ceil(samples / 2) packs; reshuffled per epoch; a batch is its sample keys."""
-    rng = random.Random(0)
-    sizes = [(rng.randint(340, 500), rng.choice([0, 64, 256])) for _ in range(samples)]
-
-    def items(epoch):
-        order = random.Random(epoch).sample(range(samples), samples)
-        return (PackItem(key=k, length=sizes[k][0], num_patches=sizes[k][1]) for k in order)
-
     packing = PackingConfig(max_tokens=1000, buffer_size=8, balance_window_steps=window)
     return StepLoader(
-        items,
+        items(samples),
         fetch=list,
         collate=tuple,
         packing_cfg=packing,
@@ -463,6 +485,29 @@ def synthetic_loader(samples, rank=0, world_size=1, grad_accum_steps=1, window=1
         num_workers=num_workers,
         grad_accum_steps=grad_accum_steps,
     )
+
+
+def test_loader_workers_start_clean_while_another_thread_holds_a_lock():
+    """Batches are collated ahead in a thread (data/prefetch.py) while the main thread runs, so workers start while
+    other threads hold locks. Forked, a worker would get such a lock copied in its held state and wait on it
+    forever (here: 5 s, then an error); started from the forkserver, it imports the module afresh."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with HELD_IN_THE_TRAINING_PROCESS:
+            held.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    try:
+        batches = list(itertools.islice(synthetic_loader(9, num_workers=2, items=LockTakingItems), 4))
+    finally:
+        release.set()
+        holder.join()
+    inline = itertools.islice(synthetic_loader(9), 4)
+    assert [list(batch) for batch in batches] == [list(batch) for batch in inline]  # workers hand tuples as lists
 
 
 def optimizer_steps(loaders, grad_accum_steps, count):

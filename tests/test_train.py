@@ -696,8 +696,11 @@ def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_p
 
 def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_path):
     """`kill -USR1` on a train.py process dumps its threads' Python stacks to stderr (the diagnosis of a run that
-    stopped making progress) and the run still finishes."""
-    args = run_args(tmp_path / "run", data_cache, "checkpoint.export=false", "train.max_steps=12")
+    stopped making progress) and the run still finishes; so does the signal to its loader workers' forkserver and
+    the workers it forked, whose stacks show torch's worker loop."""
+    import psutil
+
+    args = run_args(tmp_path / "run", data_cache, "checkpoint.export=false", "train.max_steps=12", "data.num_workers=2")
     process = subprocess.Popen(
         [sys.executable, "train.py", "--config", TINY, *args],
         cwd=Path(train.__file__).parent,
@@ -708,11 +711,14 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_
     metrics_file = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not metrics_file.exists() and process.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.2)  # training has started: the handler is in place
-    process.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)  # training has started: the handler is in place, the epoch's workers are up
+    workers = [c for c in psutil.Process(process.pid).children(recursive=True) if "forkserver" in " ".join(c.cmdline())]
+    for target in (process, *workers):
+        target.send_signal(signal.SIGUSR1)
     stderr = process.communicate(timeout=300)[1]
     assert process.returncode == 0, stderr[-2000:]
     assert "Thread 0x" in stderr and 'File "' in stderr
+    assert len(workers) > 1 and "_worker_loop" in stderr, stderr[-2000:]
 
 
 def test_inspect_data_config_error_is_one_line():
