@@ -26,6 +26,7 @@ import train
 from data.processing import IGNORE_INDEX
 from mrope_kernels.patch import patch_model
 from scripts.launch import run_logged
+from tests.test_distributed import WORKER_EXIT
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
@@ -472,7 +473,6 @@ for step in range(3):  # the ranks' packs differ from each other and from step t
         worst = max(worst, error.item())
     graphs.append(compiled_graphs(counter))
 print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}}", flush=True)
-dist.destroy_process_group()
 """
 
 
@@ -483,7 +483,7 @@ def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
     symbolic shapes)."""
     worker, log = tmp_path / "worker.py", tmp_path / "fsdp2.log"
     tests = Path(__file__).parent
-    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), tests=str(tests)))
+    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), tests=str(tests)) + WORKER_EXIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     outcome = run_logged(command, log, 600, env=env, new_session=True)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_distributed import ROOT, launch, run_processes, step_records, write_mixed_dataset
+from tests.test_distributed import ROOT, WORKER_EXIT, launch, run_processes, step_records, write_mixed_dataset
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
@@ -157,14 +157,13 @@ for family in {families!r}:
         worst = max(got, key=lambda q: got[q] / max(own[q], 1e-3))
         report["bf16_worst"] = dict(quantity=worst, error=got[worst], one_process_error=own[worst])
     print("RESULT " + json.dumps(report), flush=True)
-dist.destroy_process_group()
 """
 
 
 def run_worker(directory: Path, cuda: bool, bf16: bool) -> list[dict]:
     """Run the worker on two processes (gloo on CPU, NCCL on two GPUs); every rank's RESULT records."""
     worker = directory / "cp_worker.py"
-    worker.write_text(WORKER.format(root=str(ROOT), families=FAMILIES, cuda=cuda, bf16=bf16))
+    worker.write_text(WORKER.format(root=str(ROOT), families=FAMILIES, cuda=cuda, bf16=bf16) + WORKER_EXIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     output = run_processes(command, directory / "cp.log", "context-parallel worker")
     decoder = json.JSONDecoder()  # records of both ranks may share a line

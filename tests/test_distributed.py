@@ -284,6 +284,19 @@ def test_accelerate_launch_cpu_with_several_processes_is_refused(monkeypatch):
     check_world_size(1, ["python", "train.py", "--num_processes", "2"])
 
 
+WORKER_EXIT = """
+dist.destroy_process_group()
+# FSDP's meshes and the script's globals keep the process group alive past destroy_process_group, into interpreter
+# shutdown, where a gloo worker thread still releasing a tensor can abort the process after the results are out
+# (SIGABRT, "terminate called without an active exception"; seen with the context-parallel worker). Leave without
+# that shutdown; an error before this point still exits non-zero.
+import os
+sys.stdout.flush()
+os._exit(0)
+"""
+"""The end of a worker script that ran collectives: what it printed is out, and its exit status is 0."""
+
+
 # FSDP2 through accelerate needs CUDA (on a CPU process group accelerate falls back to plain data parallel), so on
 # CPU this worker shards the training module with torch's fully_shard as accelerate's FSDP2 path does: every module
 # of a _no_split_modules class (decoder layers, ViT blocks) is its own unit, then the root. FSDP2 needs every rank to
@@ -330,7 +343,6 @@ worst = max(
 )
 report = dict(rank=rank, units=len(units), patches=[p["num_vision_patches"] for p in packs], worst=worst)
 print("RESULT " + json.dumps(report), flush=True)
-dist.destroy_process_group()
 """
 
 
@@ -341,8 +353,9 @@ def test_fsdp2_with_a_text_only_rank_matches_one_unsharded_model(runs, tmp_path)
     over both packs (global label-count normalisation)."""
     overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
     overrides.append("packing.balance_window_steps=1")
+    overrides.append("data.num_workers=0")  # inline: loader workers import the main script, which has no main guard
     worker = tmp_path / "fsdp2_worker.py"
-    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides))
+    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides) + WORKER_EXIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     output = run_processes(command, tmp_path / "fsdp2.log", "FSDP2 step")
     # ranks print concurrently, so two results can share a line: find each flat JSON object after its marker
