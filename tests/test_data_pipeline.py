@@ -7,6 +7,8 @@ import os
 import random
 import re
 import shutil
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -508,6 +510,38 @@ def test_loader_workers_start_clean_while_another_thread_holds_a_lock():
         holder.join()
     inline = itertools.islice(synthetic_loader(9), 4)
     assert [list(batch) for batch in batches] == [list(batch) for batch in inline]  # workers hand tuples as lists
+
+
+KILLED_TRAINING_PROCESS = """
+import sys, time
+sys.path[:0] = [{root!r}]
+from tests.test_data_pipeline import synthetic_loader
+
+if __name__ == "__main__":
+    batches = iter(synthetic_loader(9, num_workers=2))
+    next(batches)
+    print("READY", flush=True)
+    time.sleep(600)
+"""
+
+
+def test_loader_workers_end_with_a_killed_training_process(tmp_path):
+    """A training process killed while its loader workers run leaves none of the processes it started behind: the
+    forkserver dies with it (data/worker_server.py) and the workers, whose parent the server is, then exit."""
+    import psutil
+
+    script = tmp_path / "killed.py"
+    script.write_text(KILLED_TRAINING_PROCESS.format(root=str(Path(__file__).parents[1])))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().strip() == "READY"
+        spawned = psutil.Process(process.pid).children(recursive=True)  # also multiprocessing's resource tracker
+        assert sum("forkserver" in " ".join(p.cmdline()) for p in spawned) == 3  # the server and its two workers
+    finally:
+        process.kill()
+        process.wait()
+    _, alive = psutil.wait_procs(spawned, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
 
 
 def optimizer_steps(loaders, grad_accum_steps, count):
