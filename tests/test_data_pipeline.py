@@ -518,11 +518,26 @@ sys.path[:0] = [{root!r}]
 from tests.test_data_pipeline import synthetic_loader
 
 if __name__ == "__main__":
-    batches = iter(synthetic_loader(9, num_workers=2))
+    batches = iter(synthetic_loader(200, num_workers=2))  # 100 packs: neither worker runs out
     next(batches)
     print("READY", flush=True)
     time.sleep(600)
 """
+
+
+def forkserver_processes(pid: int) -> list:
+    """The loader workers' forkserver and the workers under process `pid` (psutil.Process); one that ended, or is a
+    zombie, since it was listed is left out."""
+    import psutil
+
+    found = []
+    for child in psutil.Process(pid).children(recursive=True):
+        try:
+            if "forkserver" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            continue
+    return found
 
 
 def test_loader_workers_end_with_a_killed_training_process(tmp_path):
@@ -535,8 +550,8 @@ def test_loader_workers_end_with_a_killed_training_process(tmp_path):
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         assert process.stdout.readline().strip() == "READY"
+        assert len(forkserver_processes(process.pid)) == 3  # the server and its two workers, both busy
         spawned = psutil.Process(process.pid).children(recursive=True)  # also multiprocessing's resource tracker
-        assert sum("forkserver" in " ".join(p.cmdline()) for p in spawned) == 3  # the server and its two workers
     finally:
         process.kill()
         process.wait()

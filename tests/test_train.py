@@ -3,6 +3,7 @@ the vision tower on text-only packs, and the MFU FLOP count against a hand count
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -24,6 +25,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from core.config_tree import ConfigError
 from data.pipeline import STEP_VISION
+from tests.test_data_pipeline import forkserver_processes
 from training import checkpoint, loop, metrics, optim, parts, step, tracking
 from training.config import load_config
 from training.modeling import build_model
@@ -712,9 +714,11 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_
     deadline = time.monotonic() + 120
     while not metrics_file.exists() and process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)  # training has started: the handler is in place, the epoch's workers are up
-    workers = [c for c in psutil.Process(process.pid).children(recursive=True) if "forkserver" in " ".join(c.cmdline())]
-    for target in (process, *workers):
-        target.send_signal(signal.SIGUSR1)
+    workers = forkserver_processes(process.pid)
+    process.send_signal(signal.SIGUSR1)
+    for worker in workers:
+        with contextlib.suppress(psutil.NoSuchProcess):  # ended since listed (a finished eval pass's worker)
+            worker.send_signal(signal.SIGUSR1)
     stderr = process.communicate(timeout=300)[1]
     assert process.returncode == 0, stderr[-2000:]
     assert "Thread 0x" in stderr and 'File "' in stderr
