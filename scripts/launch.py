@@ -43,13 +43,41 @@ def kill_process_tree(pid: int) -> None:
     psutil.wait_procs([root], timeout=10)
 
 
-STACK_DUMP_WAIT_S = 2.0  # for the processes' stack dumps to reach the log before the kill
+STACK_DUMP_WAIT_S = 0.5  # per process: its stack dump is in the log before the next process is asked for its own
 
 
-def dump_stacks_then_kill(pid: int) -> None:
-    """SIGUSR1 to a launcher and every process under it, then `kill_process_tree`. train.py answers SIGUSR1 with every
-    thread's Python stack on stderr (so do its loader workers: data/worker_server.py), so the log says where a run
-    that is killed at its timeout was waiting; a process without a handler just ends, as it was about to."""
+def thread_states(pid: int) -> list[str]:
+    """One line per thread of `pid` from /proc (Linux; empty elsewhere or once the process is gone): its id, name,
+    state and the kernel function it sleeps in. A thread in state D (uninterruptible, inside the kernel: a driver
+    call, say) runs no signal handler, so this is what shows where a process that printed no stacks waits."""
+    lines = []
+    try:
+        tids = sorted(os.listdir(f"/proc/{pid}/task"), key=int)
+    except OSError:
+        return lines
+    for tid in tids:
+        try:
+            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
+            wchan = Path(f"/proc/{pid}/task/{tid}/wchan").read_text().strip() or "-"
+        except OSError:
+            continue
+        name, state = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()[0]
+        lines.append(f"  thread {tid} {name!r} state {state} wchan {wchan}")
+        if state == "D":  # its kernel stack, where readable (root)
+            try:
+                frames = Path(f"/proc/{pid}/task/{tid}/stack").read_text().split("\n")
+            except OSError:
+                continue
+            lines += [f"    {frame}" for frame in frames[:12] if frame]
+    return lines
+
+
+def dump_stacks_then_kill(pid: int, log) -> None:
+    """Write into `log` (the launch's open log) what each process under the launch (the launcher first) is doing,
+    then `kill_process_tree`: its command line, CPU seconds and threads' kernel states (`thread_states`), then its
+    Python stacks. train.py answers SIGUSR1 with every thread's stack on stderr, and so do its loader workers and
+    their server (data/worker_server.py). The processes are asked one at a time so their dumps do not interleave in
+    the shared log; a process without a handler just ends, as it was about to."""
     import psutil
 
     try:
@@ -59,10 +87,17 @@ def dump_stacks_then_kill(pid: int) -> None:
         return
     for process in tree:
         try:
+            cpu, command = process.cpu_times(), " ".join(process.cmdline()).replace("\n", " ")
+            header = (
+                f"\n[launch] killing process {process.pid} ({process.status()}, "
+                f"{cpu.user:.0f} s user + {cpu.system:.0f} s system CPU): {command[:200]}"
+            )
+            log.write("\n".join([header, *thread_states(process.pid), "[launch] its Python stacks:\n"]))
+            log.flush()
             process.send_signal(signal.SIGUSR1)
         except psutil.NoSuchProcess:
             continue
-    time.sleep(STACK_DUMP_WAIT_S)
+        time.sleep(STACK_DUMP_WAIT_S)
     kill_process_tree(pid)
 
 
@@ -110,7 +145,7 @@ def run_logged(
                     done_at = now
                 hung_in_teardown = done_at is not None and now - done_at > teardown_grace_s
                 if hung_in_teardown or now > deadline:
-                    dump_stacks_then_kill(proc.pid)
+                    dump_stacks_then_kill(proc.pid, log)
                     proc.wait()
                     return Outcome(None, time.perf_counter() - start, hung_in_teardown)
 

@@ -22,24 +22,33 @@ def test_timeout_kills_the_launch(tmp_path):
     script = "import time; print('started', flush=True); time.sleep(120)"
     outcome = run_logged([sys.executable, "-c", script], log, timeout=3)
     assert outcome.code is None and not outcome.hung_in_teardown and outcome.wall_s < 60
-    assert log_tail(log, 5) == "started"
+    text = log.read_text()
+    assert text.startswith("started\n") and "[launch] killing process" in text
 
 
-def test_a_launch_killed_at_its_timeout_leaves_its_stacks_in_the_log(tmp_path):
-    """A process that answers SIGUSR1 with its stacks (as train.py does) prints them into the log before the kill."""
+def test_a_launch_killed_at_its_timeout_leaves_each_process_s_state_and_stacks_in_the_log(tmp_path):
+    """At the timeout, every process of the launch that answers SIGUSR1 with its stacks (as train.py and its loader
+    workers do) prints them into the log before the kill, one process after the other under a header with its
+    command line, and every thread's kernel state is listed (what shows where a process that cannot print waits)."""
     log = tmp_path / "run.log"
-    script = (
-        "import faulthandler, signal, time\n"
-        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
-        "def waiting_for_a_batch():\n"
-        "    time.sleep(120)\n"
-        "print('started', flush=True)\n"
-        "waiting_for_a_batch()\n"
+    handler = "import faulthandler, signal, subprocess, sys, time\n"
+    handler += "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
+    child = handler + "def waiting_in_the_child():\n    time.sleep(120)\nwaiting_in_the_child()\n"
+    parent = (
+        handler
+        + f"subprocess.Popen([sys.executable, '-c', {child!r}, 'the-child'])\n"
+        + "def waiting_in_the_parent():\n    time.sleep(120)\n"
+        + "print('started', flush=True)\nwaiting_in_the_parent()\n"
     )
-    outcome = run_logged([sys.executable, "-c", script], log, timeout=3)
+    outcome = run_logged([sys.executable, "-c", parent, "the-parent"], log, timeout=5)
     assert outcome.code is None
     text = log.read_text()
-    assert "waiting_for_a_batch" in text and ("Thread 0x" in text or "Current thread" in text)
+    parent_at = text.index("[launch] killing process")
+    child_at = text.index("[launch] killing process", parent_at + 1)  # the launched process first, then its child
+    assert "waiting_in_the_parent" in text[parent_at:child_at] and "waiting_in_the_child" not in text[:child_at]
+    assert "waiting_in_the_child" in text[child_at:]
+    if sys.platform.startswith("linux"):
+        assert text.count(" state S wchan ") >= 2  # both main threads sleep
 
 
 def test_a_launch_hanging_after_its_done_file_is_killed_in_teardown(tmp_path):
