@@ -15,16 +15,14 @@ checkpoints/, final/ and wandb/.
 from __future__ import annotations
 
 import argparse
-import faulthandler
 import logging
 import os
-import signal
 import sys
 from pathlib import Path
 
 from core.config_tree import ConfigError
 from data.formats import DataError
-from training import checkpoint, distributed, loop, metrics, optim, resume, run_files, tracking
+from training import checkpoint, distributed, loop, metrics, optim, resume, run_files, stack_dump, tracking
 from training.config import load_config
 from training.setup import build_accelerator, build_training
 
@@ -118,6 +116,5 @@ def cli(argv: list[str] | None = None) -> int | str:
 
 
 if __name__ == "__main__":
-    # `kill -USR1 <pid>` prints every thread's Python stack to stderr: where a run that stopped making progress waits
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    stack_dump.install()  # `kill -USR1 <pid>`: every thread's Python stack on stderr, for the whole run
     sys.exit(cli())
