@@ -155,6 +155,17 @@ def test_model_falls_back_and_logs_why(guarded_gpu, caplog):
     assert len(lines) == 1 and "torch backend" in lines[0] and "self-check" in lines[0]
 
 
+def test_model_on_fla_logs_the_backend_and_its_first_run_cost(guarded_gpu, caplog):
+    """Where fla passes its check, the log names the fla backend and says that its kernels compile on first use
+    (minutes on an empty Triton cache), so a first step that takes minutes does not look like a hang."""
+    guarded_gpu["use"](torch_delta_rule_per_sample)
+    model = build_model(load_config("recipes/tiny-qwen3_5.yaml").model, attn_implementation="sdpa")
+    with caplog.at_level(logging.INFO, logger="training.gated_delta"):
+        assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "fla"
+    lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet:" in r.getMessage()]
+    assert len(lines) == 2 and "fla backend" in lines[0] and lines[1] == gated_delta.FLA_FIRST_RUN_NOTE
+
+
 def test_unreadable_cache_is_ignored(guarded_gpu, tmp_path):
     """A torn or corrupt cache file costs one re-check, never a crash."""
     path = tmp_path / "qwen-vl-packed-train" / "gated_delta_check.json"

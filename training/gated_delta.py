@@ -340,6 +340,13 @@ def _release_torch_delta_rule(modeling_name: str) -> None:
         setattr(sys.modules[modeling_name], _DELTA_RULE, original)
 
 
+FLA_FIRST_RUN_NOTE = (
+    "Gated DeltaNet: fla's kernels compile and autotune when first used on this machine, in the first steps: minutes "
+    "on an empty Triton cache (over 3 minutes in the first step on an H200), seconds once "
+    "Triton's cache (TRITON_CACHE_DIR, default ~/.triton/cache) holds them"
+)
+
+
 def patch_gated_delta_layers(
     model: torch.nn.Module, pack_kwarg: str, backend: Backend = "auto", compute_dtype: torch.dtype | None = None
 ) -> str | None:
@@ -358,6 +365,8 @@ def patch_gated_delta_layers(
     dtype = compute_dtype or next(layers[0].parameters()).dtype
     choice = resolve_backend(backend, {GatedDeltaDims.of(layer) for layer in layers}, dtype)
     log.info("Gated DeltaNet: %s backend (%s)", choice.backend, choice.reason)
+    if choice.backend == "fla":
+        log.info(FLA_FIRST_RUN_NOTE)
     modeling_names = sorted({type(layer).__module__ for layer in layers})
     for name in modeling_names:  # the layers' own forward (padded batches, fp32 calls) stays transformers' torch math
         _force_torch_delta_rule(name)
