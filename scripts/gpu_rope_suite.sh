@@ -6,6 +6,7 @@
 #                                                       (default: these five, in that order), or
 #                                                       levers-3b levers-8b levers-qwen3_5 (fused against
 #                                                       bf16-compiled: issues 14/15's fastest measured setup),
+#                                                       warm-qwen3_5 (one untimed run: fla's first compile),
 #                                                       longest-3b longest-8b longest-qwen3_5 (that setup's peak
 #                                                       memory at two pack lengths, fitted: the longest pack
 #                                                       within 137 GiB, scripts/fit_longest.py), curve-3b (30 steps
@@ -83,6 +84,11 @@ for stage in $STAGES; do
     levers-8b) compare levers_8b bench-qwen3_vl-8b-shape fused,bf16-compiled ;;
     # without LLM checkpointing, where bf16-compiled was fastest (105 GiB); fused without it is not yet measured
     levers-qwen3_5) compare levers_qwen3_5 bench-qwen3_5-shape fused,bf16-compiled model.gradient_checkpointing_llm=false ;;
+    # one untimed bf16-compiled run first, so the timed repeats after it find fla's kernels compiled: on an empty
+    # Triton cache its first step compiles and autotunes them for minutes (metrics.jsonl: first_step_s, compile_s)
+    warm-qwen3_5) step warm_qwen3_5 600 $PY train.py --config recipes/bench-qwen3_5-shape.yaml train.max_steps=12 \
+      data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to=none model.gradient_checkpointing_llm=false \
+      train.master_weights=optimizer train.compile=true train.output_dir="$OUT/warm_qwen3_5" ;;
     # two lengths below each shape's out-of-memory point as the 16k runs' peaks (77, 87, 105 GiB) extrapolate
     longest-3b) longest 3b bench-qwen2_5_vl-3b-shape "16384 24576" ;;
     longest-8b) longest 8b bench-qwen3_vl-8b-shape "16384 24576" ;;
@@ -95,7 +101,7 @@ for stage in $STAGES; do
       --gpus 2 --recipes recipes/bench-qwen2_5_vl-3b-shape.yaml --layouts single,bf16-compiled --repeat-single \
       --steps 30 --no-resume --launch-timeout 400 data.num_samples=4000 data.num_workers=8 train.compile=true ;;
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
-      "levers-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled)"; exit 2 ;;
+      "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
