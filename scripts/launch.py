@@ -13,6 +13,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TextIO
 
 from training.distributed import SAFE_COLLECTIVES_ENV
 
@@ -72,7 +73,7 @@ def thread_states(pid: int) -> list[str]:
     return lines
 
 
-def dump_stacks_then_kill(pid: int, log) -> None:
+def dump_stacks_then_kill(pid: int, log: TextIO) -> None:
     """Write into `log` (the launch's open log) what each process under the launch (the launcher first) is doing,
     then `kill_process_tree`: its command line, CPU seconds and threads' kernel states (`thread_states`), then its
     Python stacks. train.py answers SIGUSR1 with every thread's stack on stderr, and so do its loader workers and

@@ -13,6 +13,7 @@ import ctypes
 import faulthandler
 import signal
 import threading
+import time
 
 SIGNAL = signal.SIGUSR1
 CHECK_EVERY_S = 2.0  # a handler taken over is back within this
@@ -43,8 +44,8 @@ def install() -> None:
 
 
 def _keep(ours: int) -> None:
-    stop = threading.Event()  # never set: the watcher lives as long as the process
-    while not stop.wait(CHECK_EVERY_S):
+    while True:  # a daemon thread: it lives as long as the process
+        time.sleep(CHECK_EVERY_S)
         if installed_handler() != ours:
             faulthandler.unregister(SIGNAL)  # faulthandler reinstalls only after an unregister
             _register()
