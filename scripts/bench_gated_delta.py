@@ -8,8 +8,10 @@ Three measurements, one process, printed as tables and written as JSON to --out:
 2. fla's first call (Triton compile and autotuning, or their on-disk cache: run the script twice with the same
    TRITON_CACHE_DIR to see both) and its warm time.
 3. One Gated DeltaNet layer of the recipe (default: recipes/bench-qwen3_5-shape.yaml, Qwen3.5's real widths),
-   forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), and the delta
-   rule alone (fla varlen vs transformers' torch rule per sample); medians of CUDA-event timings.
+   forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), the layer's
+   dense projections alone (the same matmuls under either backend; the layer's time beyond them is what a backend
+   changes), and the delta rule alone (fla varlen vs transformers' torch rule per sample); medians of CUDA-event
+   timings.
 
     python -m scripts.bench_gated_delta --out artifacts/bench_gated_delta.json [--tokens 16384]
 """
@@ -92,6 +94,21 @@ def time_layer(layer, backend: str, pack: PackedSeqlens, repeats: int) -> tuple[
         gated_delta.unpatch_gated_delta_layers(layer)
 
 
+def time_projections(layer, tokens: int, repeats: int) -> tuple[float, float, float]:
+    """Forward+backward of the layer's dense projections alone (its in_proj_* from the hidden states, out_proj to
+    them): the matmuls both backends run identically, so the part of the layer a backend can speed up is the rest."""
+    in_projs = [module for name, module in layer.named_children() if name.startswith("in_proj")]
+    dtype = layer.out_proj.weight.dtype
+    hidden = torch.randn(tokens, layer.hidden_size, device="cuda", dtype=dtype, requires_grad=True)
+    core = torch.randn(tokens, layer.out_proj.in_features, device="cuda", dtype=dtype, requires_grad=True)
+
+    def step():
+        outputs = [proj(hidden) for proj in in_projs] + [layer.out_proj(core)]
+        torch.autograd.backward(outputs, [torch.ones_like(out) for out in outputs])
+
+    return cuda_median_ms(step, repeats)
+
+
 def time_delta_rule(rule, dims: GatedDeltaDims, lengths, cu_seqlens, repeats: int) -> tuple[float, float, float]:
     """Forward+backward of the delta rule alone on the pack, bf16 inputs (g fp32, as the layer feeds it)."""
     generator = torch.Generator().manual_seed(0)
@@ -131,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     cu_seqlens = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     pack = PackedSeqlens(cu_seqlens, max(lengths), lengths)
     layer_ms = {backend: time_layer(layer, backend, pack, args.repeats) for backend in ("fla", "torch")}
+    projections_ms = time_projections(layer, pack.total_tokens, args.repeats)
+    beyond_projections = {backend: ms[0] - projections_ms[0] for backend, ms in layer_ms.items()}
     rule_ms = {
         "fla": time_delta_rule(gated_delta.fla_delta_rule, dims, lengths, cu_seqlens, args.repeats),
         "torch per sample": time_delta_rule(
@@ -151,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         "accuracy_passed": accuracy.passed,
         "layer_fwd_bwd_ms": {b: dict(zip(("median", "min", "max"), t, strict=True)) for b, t in layer_ms.items()},
         "speedup_fla_over_torch": layer_ms["torch"][0] / layer_ms["fla"][0],
+        "projections_fwd_bwd_ms": dict(zip(("median", "min", "max"), projections_ms, strict=True)),
+        "layer_beyond_projections_ms": beyond_projections,
+        "speedup_beyond_projections": beyond_projections["torch"] / beyond_projections["fla"],
         "delta_rule_fwd_bwd_ms": {b: dict(zip(("median", "min", "max"), t, strict=True)) for b, t in rule_ms.items()},
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -166,6 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     for backend, (median, low, high) in layer_ms.items():
         print(f"GDN layer fwd+bwd, {backend:5}: {median:8.2f} ms (min {low:.2f}, max {high:.2f})")
     print(f"fla / torch speedup: {result['speedup_fla_over_torch']:.1f}x")
+    print(
+        f"the projections alone (both backends): {projections_ms[0]:.2f} ms; the layer beyond them: fla "
+        f"{beyond_projections['fla']:.2f} ms, torch {beyond_projections['torch']:.2f} ms, "
+        f"{result['speedup_beyond_projections']:.1f}x"
+    )
     for rule, (median, low, high) in rule_ms.items():
         print(f"delta rule alone fwd+bwd, {rule:16}: {median:8.2f} ms (min {low:.2f}, max {high:.2f})")
     return 0 if accuracy.passed else 1
