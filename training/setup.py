@@ -37,7 +37,7 @@ class TrainingSetup:
 
     module: torch.nn.Module  # loop.TrainModule around the HF model, wrapped for DDP/FSDP2
     optimizer: torch.optim.Optimizer
-    grad_params: list[torch.nn.Parameter]  # the tensors the optimizer steps, whose gradients are clipped
+    grad_params: list[torch.nn.Parameter]  # the tensors the optimizer steps (masters or fp32 parameters): clipped
     scheduler: torch.optim.lr_scheduler.LRScheduler
     processor: Any  # the recipe's HF processor, shipped with the export
     train_loader: StepLoader
@@ -74,11 +74,11 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
 
     The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing and gradient
     checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
-    `model.dtype`), or with `train.master_weights=optimizer` the module is cast to `model.dtype` and the optimizer
-    steps fp32 copies (training/master_weights.py). With `train.compile` its blocks are then compiled in place
-    (training/compile.py), before accelerate wraps them. With `parallel.context` = CP > 1, the loaders deal packs
-    by data-parallel rank (rank // CP) and shard each pack over the CP ranks of a context group
-    (training/context_parallel.py).
+    `model.dtype`), or with `train.master_weights=optimizer` its matmul weights are cast to `model.dtype` and the
+    optimizer steps fp32 copies of them beside its other, fp32 parameters (training/master_weights.py). With
+    `train.compile` its blocks are then compiled in place (training/compile.py), before accelerate wraps them. With
+    `parallel.context` = CP > 1, the loaders deal packs by data-parallel rank (rank // CP) and shard each pack over
+    the CP ranks of a context group (training/context_parallel.py).
     """
     keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)
     cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
@@ -154,7 +154,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     module, optimizer, scheduler = accelerator.prepare(module, optimizer, scheduler)
     if masters is not None:
         accelerator.register_for_checkpointing(masters)
-        grad_params = masters.masters
+        grad_params = masters.optimizer_params
     else:
         grad_params = [p for p in module.parameters() if p.requires_grad]
     return TrainingSetup(
