@@ -46,7 +46,7 @@ Variants (train.py overrides they set):
            Qwen2/2.5-VL and only when liger_kernel imports; otherwise it is left out with the reason printed
   padded   kernels.mrope=fused,   packing.mode=padded   (per-sample padded batches: the packing baseline)
   bf16-weights  kernels.mrope=fused, packing.mode=packed, train.master_weights=optimizer (the module computes on
-           bf16 weights, the optimizer steps fp32 masters; compare with --variants fused,bf16-weights
+           bf16 matmul weights, the optimizer steps their fp32 masters; compare with --variants fused,bf16-weights
            --baseline fused) — only without --launcher: DDP refuses it and FSDP2 already computes on bf16 weights
   compiled  kernels.mrope=fused, packing.mode=packed, train.compile=true (regional torch.compile; the compile
            falls in the first, untimed step)

@@ -72,8 +72,9 @@ class TrainConfig:
     eval_every: int = 0  # 0 = no periodic eval
     eval_batches: int = 4
     # Where the fp32 master weights live (training/master_weights.py): "module" = an fp32 module that autocast casts
-    # to model.dtype at every use; "optimizer" = the module holds model.dtype weights and AdamW steps fp32 copies
-    # (one process; a no-op for float32 and under FSDP2, which already does it; refused under DDP)
+    # to model.dtype at every use; "optimizer" = the module holds its matmul weights in model.dtype and AdamW steps
+    # fp32 copies of them, its embeddings, norms and gates stay fp32 (one process; a no-op for float32 and under
+    # FSDP2, which already computes on bf16 weights; refused under DDP)
     master_weights: Literal["module", "optimizer"] = "module"
     # Regional torch.compile: every decoder layer and ViT block compiled in place with dynamic shapes (inductor),
     # Qwen3.5's Gated DeltaNet mixers left eager (training/compile.py); the first step carries the compile time
