@@ -52,7 +52,10 @@ Variants (train.py overrides they set):
            falls in the first, untimed step)
   bf16-compiled  bf16-weights and compiled together, the fastest measured setup on one GPU — only without
            --launcher, as bf16-weights
-  Every variant but bf16-weights and bf16-compiled sets train.master_weights=module.
+  bf16-compiled-fp32-fused  bf16-compiled with inductor's fused intermediates kept in fp32
+           (train.compile_emulate_precision_casts=false), not rounded to bf16 where eager rounds them
+  Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
+  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default).
 """
 
 from __future__ import annotations
@@ -79,17 +82,25 @@ from training import run_files
 from training.config import load_config
 
 FP32_MODULE = {"train.master_weights": "module"}
+COMPILED = {"train.compile": "true", "train.compile_emulate_precision_casts": "true"}
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
     "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
     "liger": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
     "padded": {"kernels.mrope": "fused", "packing.mode": "padded", **FP32_MODULE},
     "bf16-weights": {"kernels.mrope": "fused", "packing.mode": "packed", "train.master_weights": "optimizer"},
-    "compiled": {"kernels.mrope": "fused", "packing.mode": "packed", "train.compile": "true", **FP32_MODULE},
+    "compiled": {"kernels.mrope": "fused", "packing.mode": "packed", **COMPILED, **FP32_MODULE},
     "bf16-compiled": {
         "kernels.mrope": "fused",
         "packing.mode": "packed",
-        "train.compile": "true",
+        **COMPILED,
+        "train.master_weights": "optimizer",
+    },
+    "bf16-compiled-fp32-fused": {
+        "kernels.mrope": "fused",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_emulate_precision_casts": "false",
         "train.master_weights": "optimizer",
     },
 }
@@ -99,6 +110,7 @@ RESERVED_KEYS = {
     "packing.mode",
     "train.master_weights",
     "train.compile",
+    "train.compile_emulate_precision_casts",
     "train.output_dir",
     "train.max_steps",
     "logging.group",

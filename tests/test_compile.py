@@ -284,6 +284,35 @@ def test_uncompile_restores_eager_blocks(tiny_model):
     assert [m.forward for m in mixers] == packed_forwards
 
 
+@pytest.mark.parametrize("emulate", [True, False])
+def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emulate):
+    """`emulate_precision_casts` reaches inductor for the whole run (blocks compile at their first forward) and
+    uncompile puts the previous value back."""
+    model = packed_model(tiny_model, "qwen2_5_vl")
+    before = torch._inductor.config.emulate_precision_casts
+    regional.compile_blocks(model, backend="aot_eager", emulate_precision_casts=emulate)
+    assert torch._inductor.config.emulate_precision_casts is emulate
+    regional.uncompile_blocks(model)
+    assert torch._inductor.config.emulate_precision_casts is before
+
+
+def test_inductor_rounds_as_eager_only_with_emulated_casts():
+    """Why `train.compile_emulate_precision_casts` defaults on: a bf16 elementwise chain compiled by inductor equals
+    eager bit for bit only when inductor rounds each intermediate to bf16 as eager stores it; by default it keeps
+    them in fp32 (another rounding, which training's unstable steps amplify: docs/benchmarks.md)."""
+
+    def chain(x, y):
+        return (x * y + x) * y - x
+
+    x, y = torch.randn(2, 4096, dtype=torch.bfloat16).unbind()
+    eager = chain(x, y)
+    for emulate in (True, False):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(emulate_precision_casts=emulate):
+            compiled = torch.compile(chain, backend="inductor")(x, y)
+        assert torch.equal(compiled, eager) is emulate
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
 def test_compile_reports_without_warning(tiny_model, caplog, family):
     """Compiling logs what it compiled (Qwen3.5: its layers around eager Gated DeltaNet mixers) and warns about
@@ -308,14 +337,15 @@ def test_compile_is_off_by_default_in_every_recipe():
 @pytest.mark.parametrize("enabled", [True, False])
 def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path, monkeypatch, enabled):
     """train.compile=true compiles the blocks once, before accelerate wraps the model, trains, and writes the first
-    step's wall and compile time to metrics.jsonl once; train.compile=false (the default) compiles nothing and
-    writes no such record."""
+    step's wall and compile time to metrics.jsonl once, passing train.compile_emulate_precision_casts on;
+    train.compile=false (the default) compiles nothing and writes no such record."""
     from accelerate.state import AcceleratorState
 
-    compiled = []
+    compiled, options = [], []
 
-    def compile_with_aot_eager(model):
-        compiled.append(regional.compile_blocks(model, backend="aot_eager"))
+    def compile_with_aot_eager(model, **kwargs):
+        options.append(kwargs)
+        compiled.append(regional.compile_blocks(model, backend="aot_eager", **kwargs))
 
     monkeypatch.setattr("training.setup.compile_blocks", compile_with_aot_eager)
     args = [
@@ -329,6 +359,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         "train.max_steps=2",
         "train.warmup_steps=1",
         f"train.compile={str(enabled).lower()}",
+        "train.compile_emulate_precision_casts=false",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
         "logging.report_to=none",
@@ -344,7 +375,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
     first = [r for r in records if "first_step_s" in r]
     assert len([r for r in records if "loss" in r]) == 2
     if enabled:
-        assert len(compiled) == 1 and compiled[0].fullgraph
+        assert len(compiled) == 1 and compiled[0].fullgraph and options == [{"emulate_precision_casts": False}]
         assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
     else:
         assert compiled == first == []

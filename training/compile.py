@@ -53,6 +53,7 @@ import types
 from collections.abc import Callable
 
 import torch
+import torch._inductor.config
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
@@ -81,6 +82,7 @@ class CompileReport:
     with_eager_mixer: tuple[str, ...]  # decoder layers compiled around an eager Gated DeltaNet mixer
     eager_mixers: tuple[str, ...]
     dynamo_config: dict  # the dynamo settings compile_blocks changed, as they were before
+    inductor_config: dict  # likewise for inductor's
 
     def __str__(self) -> str:
         return (
@@ -89,12 +91,18 @@ class CompileReport:
         )
 
 
-def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> CompileReport:
+def compile_blocks(
+    model: nn.Module, backend: str | Callable = "inductor", emulate_precision_casts: bool = True
+) -> CompileReport:
     """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
     `model.model.visual.blocks` in place, with dynamic shapes; call it after the rope patch, the packed forward,
     freezing and gradient checkpointing, before accelerate wraps the model.
 
-    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). Each block's own forward is compiled and
+    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). emulate_precision_casts: inductor rounds a
+    fused kernel's intermediates to the dtype eager would store them in (bf16 under autocast), so the compiled blocks
+    compute eager's numbers; off, it keeps them in fp32 (a different rounding, which a 30-step curve of random-init
+    training amplifies past eager's run-to-run spread: docs/benchmarks.md, thirteenth session). Each block's own
+    forward is compiled and
     set as the block's `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
     Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and
     makes hitting it an error. Raises ValueError if the model is already compiled, has no such blocks, or a block
@@ -109,6 +117,7 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     ]
     dynamo_config = {"recompile_limit": torch._dynamo.config.recompile_limit}
     dynamo_config["fail_on_recompile_limit_hit"] = torch._dynamo.config.fail_on_recompile_limit_hit
+    inductor_config = {"emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
     fullgraph, with_mixer, mixers = [], [], []
     for prefix, parent, attr in named:
         blocks = getattr(parent, attr, None)
@@ -136,7 +145,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     # Past the limit dynamo would silently run the block eagerly: make that an error instead.
     torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, dynamo_config["recompile_limit"])
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config)
+    # Read when a block compiles (its first forward), so it stays set until uncompile_blocks.
+    torch._inductor.config.emulate_precision_casts = emulate_precision_casts
+    report = CompileReport(tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config, inductor_config)
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
     return report
@@ -158,6 +169,8 @@ def uncompile_blocks(model: nn.Module) -> None:
             mixer.forward = previous
     for name, value in report.dynamo_config.items():
         setattr(torch._dynamo.config, name, value)
+    for name, value in report.inductor_config.items():
+        setattr(torch._inductor.config, name, value)
     setattr(model, _STATE_ATTR, None)
 
 
