@@ -99,11 +99,11 @@ def compile_blocks(
     freezing and gradient checkpointing, before accelerate wraps the model.
 
     backend: torch.compile's backend ("inductor"; tests use "aot_eager"). emulate_precision_casts: inductor rounds a
-    fused kernel's intermediates to the dtype eager would store them in (bf16 under autocast), so the compiled blocks
-    compute eager's numbers; off, it keeps them in fp32 (a different rounding, which a 30-step curve of random-init
-    training amplifies past eager's run-to-run spread: docs/benchmarks.md, thirteenth session). Each block's own
-    forward is compiled and
-    set as the block's `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
+    fused kernel's intermediates to the dtype eager stores them in (bf16 under autocast), as eager does; off, it keeps
+    them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
+    decoder layer: scripts/compile_accuracy.py); on, it is twice as close, at no measured cost
+    (docs/benchmarks.md, "Thirteenth session"). Each block's own forward is compiled and set as the block's
+    `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
     Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and
     makes hitting it an error. Raises ValueError if the model is already compiled, has no such blocks, or a block
     already has a forward of its own. Undo with `uncompile_blocks(model)`.
