@@ -531,8 +531,9 @@ def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
 
 def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     """scripts/compile_accuracy.py's claims at a small width: tracing (aot_eager) changes no number; inductor's
-    numbers are as far from float64 as eager's (another rounding, not a worse one), and closer to eager's with the
-    emulated casts that `train.compile_emulate_precision_casts` turns on than without."""
+    numbers are as far from float64 as eager's (another rounding, not a worse one), closer to eager's with the
+    emulated casts that `train.compile_emulate_precision_casts` turns on than without, and equal to them once the
+    RMSNorms stay eager."""
     layer, rope = compile_accuracy.build_layer(hidden=256)
     generator = torch.Generator().manual_seed(1)
     inputs, out_grad = torch.randn(2, 1, 96, 256, generator=generator).unbind()
@@ -553,3 +554,8 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
             assert out64 <= 1.1 * eager_out64 and max(grads64) <= 1.1 * max(eager_grads64)
             distance_to_eager[emulate] = max(compile_accuracy.relative_errors(numbers, eager)[1])
     assert distance_to_eager[True] < distance_to_eager[False]
+    # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers exactly.
+    eager_norms = compile_accuracy.layer_numbers(
+        layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
+    )
+    assert torch.equal(eager_norms[0], eager[0]) and all(torch.equal(eager_norms[1][n], g) for n, g in eager[1].items())
