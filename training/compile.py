@@ -101,7 +101,7 @@ def compile_blocks(
     backend: torch.compile's backend ("inductor"; tests use "aot_eager"). emulate_precision_casts: inductor rounds a
     fused kernel's intermediates to the dtype eager stores them in (bf16 under autocast), as eager does; off, it keeps
     them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
-    decoder layer: scripts/compile_accuracy.py); on, it is twice as close, at no measured cost
+    decoder layer: scripts/compile_accuracy.py); on, it is about twice as close, at no measured cost
     (docs/benchmarks.md, "Thirteenth session"). Each block's own forward is compiled and set as the block's
     `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
     Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and
