@@ -54,8 +54,11 @@ Variants (train.py overrides they set):
            --launcher, as bf16-weights
   bf16-compiled-fp32-fused  bf16-compiled with inductor's fused intermediates kept in fp32
            (train.compile_emulate_precision_casts=false), not rounded to bf16 where eager rounds them
+  bf16-compiled-eager-reductions  bf16-compiled with inductor calling aten's sum and mean kernels
+           (train.compile_eager_reductions=true): the norms add in eager's order
   Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
-  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default).
+  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but
+  bf16-compiled-eager-reductions train.compile_eager_reductions=false (the default).
 """
 
 from __future__ import annotations
@@ -82,7 +85,11 @@ from training import run_files
 from training.config import load_config
 
 FP32_MODULE = {"train.master_weights": "module"}
-COMPILED = {"train.compile": "true", "train.compile_emulate_precision_casts": "true"}
+COMPILED = {
+    "train.compile": "true",
+    "train.compile_emulate_precision_casts": "true",
+    "train.compile_eager_reductions": "false",
+}
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
     "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
@@ -103,6 +110,13 @@ VARIANT_OVERRIDES = {
         "train.compile_emulate_precision_casts": "false",
         "train.master_weights": "optimizer",
     },
+    "bf16-compiled-eager-reductions": {
+        "kernels.mrope": "fused",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_eager_reductions": "true",
+        "train.master_weights": "optimizer",
+    },
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
@@ -111,6 +125,7 @@ RESERVED_KEYS = {
     "train.master_weights",
     "train.compile",
     "train.compile_emulate_precision_casts",
+    "train.compile_eager_reductions",
     "train.output_dir",
     "train.max_steps",
     "logging.group",

@@ -31,6 +31,7 @@ from tests.test_distributed import WORKER_EXIT
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
+from training.eager_reductions import REDUCTIONS, lower_reductions_to_aten
 from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
 from training.run_files import read_metrics
 from verification.packing_check import SampleSpec, label_loss, pack_samples
@@ -297,6 +298,28 @@ def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emu
     assert torch._inductor.config.emulate_precision_casts is before
 
 
+def test_eager_reductions_last_until_uncompiled(tiny_model):
+    """`eager_reductions` lowers every overload of sum and mean to aten's kernels and turns inductor's compile caches
+    off (a cached graph would have inductor's own reductions); uncompile puts the lowerings, the fallback sets and
+    the caches back as they were."""
+    from torch._inductor import lowering
+
+    overloads = [o for packet in REDUCTIONS for o in packet.op_overloads()]
+    before = {op: lowering.lowerings.get(op) for op in overloads}
+    fallbacks, realized = set(lowering.fallbacks), set(lowering.needs_realized_inputs)
+    caches = (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache)
+    model = packed_model(tiny_model, "qwen2_5_vl")
+    report = regional.compile_blocks(model, backend="aot_eager", eager_reductions=True)
+    assert "reductions on aten's kernels" in str(report)
+    assert all(getattr(lowering.lowerings[op], "_is_fallback_handler", False) for op in overloads)
+    assert not torch._inductor.config.fx_graph_cache and not torch._functorch.config.enable_autograd_cache
+    regional.uncompile_blocks(model)
+    assert {op: lowering.lowerings.get(op) for op in overloads} == before
+    assert set(lowering.fallbacks) == fallbacks and set(lowering.needs_realized_inputs) == realized
+    assert (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache) == caches
+    assert not any(getattr(before[op], "_is_fallback_handler", False) for op in overloads if before[op] is not None)
+
+
 def test_inductor_rounds_as_eager_only_with_emulated_casts():
     """Why `train.compile_emulate_precision_casts` defaults on: a bf16 elementwise chain compiled by inductor equals
     eager bit for bit only when inductor rounds each intermediate to bf16 as eager stores it; by default it keeps
@@ -361,6 +384,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         "train.warmup_steps=1",
         f"train.compile={str(enabled).lower()}",
         "train.compile_emulate_precision_casts=false",
+        "train.compile_eager_reductions=true",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
         "logging.report_to=none",
@@ -372,11 +396,14 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         train.main(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+        for report in compiled:  # inductor's lowerings are process-wide
+            report.undo_eager_reductions()
     records = read_metrics(tmp_path / "run")
     first = [r for r in records if "first_step_s" in r]
     assert len([r for r in records if "loss" in r]) == 2
     if enabled:
-        assert len(compiled) == 1 and compiled[0].fullgraph and options == [{"emulate_precision_casts": False}]
+        assert len(compiled) == 1 and compiled[0].fullgraph
+        assert options == [{"emulate_precision_casts": False, "eager_reductions": True}]
         assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
     else:
         assert compiled == first == []
@@ -475,6 +502,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import _build_tiny_model, _build_tiny_samples
 from test_compile import PACKS, compiled_graphs, loss_and_grads
 from training import compile as regional
+from training.eager_reductions import REDUCTIONS, lower_reductions_to_aten
 from training.packed import enable_packed_forward
 from verification.packing_check import pack_samples
 
@@ -533,7 +561,7 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     """scripts/compile_accuracy.py's claims at a small width: tracing (aot_eager) changes no number; inductor's
     numbers are as far from float64 as eager's (another rounding, not a worse one), closer to eager's with the
     emulated casts that `train.compile_emulate_precision_casts` turns on than without, and equal to them once the
-    RMSNorms stay eager."""
+    RMSNorms stay eager or inductor calls aten's reductions."""
     layer, rope = compile_accuracy.build_layer(hidden=256)
     generator = torch.Generator().manual_seed(1)
     inputs, out_grad = torch.randn(2, 1, 96, 256, generator=generator).unbind()
@@ -554,8 +582,17 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
             assert out64 <= 1.1 * eager_out64 and max(grads64) <= 1.1 * max(eager_grads64)
             distance_to_eager[emulate] = max(compile_accuracy.relative_errors(numbers, eager)[1])
     assert distance_to_eager[True] < distance_to_eager[False]
-    # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers exactly.
+    # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers exactly;
+    # so does the whole layer once inductor calls aten's reductions (train.compile_eager_reductions).
     eager_norms = compile_accuracy.layer_numbers(
         layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
     )
-    assert torch.equal(eager_norms[0], eager[0]) and all(torch.equal(eager_norms[1][n], g) for n, g in eager[1].items())
+    undo = lower_reductions_to_aten()
+    try:
+        aten_reductions = compile_accuracy.layer_numbers(
+            layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
+        )
+    finally:
+        undo()
+    for numbers in (eager_norms, aten_reductions):
+        assert torch.equal(numbers[0], eager[0]) and all(torch.equal(numbers[1][n], g) for n, g in eager[1].items())

@@ -82,6 +82,9 @@ class TrainConfig:
     # With compile: inductor rounds fused intermediates to bf16 where eager stores bf16 (emulate_precision_casts),
     # closer to eager's numbers at no measured cost; false keeps them fp32 (training/compile.py)
     compile_emulate_precision_casts: bool = True
+    # With compile: inductor calls aten's sum and mean kernels instead of generating its own reductions
+    # (training/eager_reductions.py), so the norms add in eager's order; off until measured on the GPU
+    compile_eager_reductions: bool = False
 
     def validate(self) -> None:
         if self.lr <= 0:

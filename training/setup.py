@@ -111,7 +111,11 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
     if cfg.train.compile:
-        compile_blocks(model, emulate_precision_casts=cfg.train.compile_emulate_precision_casts)
+        compile_blocks(
+            model,
+            emulate_precision_casts=cfg.train.compile_emulate_precision_casts,
+            eager_reductions=cfg.train.compile_eager_reductions,
+        )
     log.info(
         "rope: %s; trainable parameters per part: %s",
         "fused (Triton)" if fused_rope else "reference (fused ops, PyTorch math)" if rope else "unfused",
