@@ -254,8 +254,7 @@ def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live(
     """bf16-weights is the fused variant with train.master_weights=optimizer, bf16-compiled the compiled one (every
     other variant sets module, and a user override of the key is refused), bf16-compiled-fp32-fused that one with
     inductor's fp32 intermediates, bf16-compiled-eager-reductions with aten's reductions; they are left out under
-    --launcher (one process only); a tokens/s ratio and loss
-    gap are named against fused."""
+    --launcher (one process only); a tokens/s ratio and loss gap are named against fused."""
     bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
     on_bf16 = {n for n, v in compare.VARIANT_OVERRIDES.items() if v["train.master_weights"] == "optimizer"}

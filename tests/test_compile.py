@@ -502,7 +502,6 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import _build_tiny_model, _build_tiny_samples
 from test_compile import PACKS, compiled_graphs, loss_and_grads
 from training import compile as regional
-from training.eager_reductions import REDUCTIONS, lower_reductions_to_aten
 from training.packed import enable_packed_forward
 from verification.packing_check import pack_samples
 
