@@ -572,6 +572,7 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     assert torch.equal(traced[0], eager[0]) and all(torch.equal(traced[1][n], g) for n, g in eager[1].items())
     eager_out64, eager_grads64 = compile_accuracy.relative_errors(eager, reference)
     distance_to_eager = {}
+    # compile_accuracy.compiled sets inductor's emulate_precision_casts: the patch puts it back for later tests
     with torch._inductor.config.patch(emulate_precision_casts=False):
         for emulate in (True, False):
             numbers = compile_accuracy.layer_numbers(
@@ -580,18 +581,18 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
             out64, grads64 = compile_accuracy.relative_errors(numbers, reference)
             assert out64 <= 1.1 * eager_out64 and max(grads64) <= 1.1 * max(eager_grads64)
             distance_to_eager[emulate] = max(compile_accuracy.relative_errors(numbers, eager)[1])
-    assert distance_to_eager[True] < distance_to_eager[False]
-    # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers exactly;
-    # so does the whole layer once inductor calls aten's reductions (train.compile_eager_reductions).
-    eager_norms = compile_accuracy.layer_numbers(
-        layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
-    )
-    undo = lower_reductions_to_aten()
-    try:
-        aten_reductions = compile_accuracy.layer_numbers(
-            layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
+        assert distance_to_eager[True] < distance_to_eager[False]
+        # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers
+        # exactly; so does the whole layer once inductor calls aten's reductions (train.compile_eager_reductions).
+        eager_norms = compile_accuracy.layer_numbers(
+            layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
         )
-    finally:
-        undo()
+        undo = lower_reductions_to_aten()
+        try:
+            aten_reductions = compile_accuracy.layer_numbers(
+                layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
+            )
+        finally:
+            undo()
     for numbers in (eager_norms, aten_reductions):
         assert torch.equal(numbers[0], eager[0]) and all(torch.equal(numbers[1][n], g) for n, g in eager[1].items())
