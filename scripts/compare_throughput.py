@@ -55,10 +55,12 @@ Variants (train.py overrides they set):
   bf16-compiled-fp32-fused  bf16-compiled with inductor's fused intermediates kept in fp32
            (train.compile_emulate_precision_casts=false), not rounded to bf16 where eager rounds them
   bf16-compiled-eager-reductions  bf16-compiled with inductor calling aten's sum and mean kernels
-           (train.compile_eager_reductions=true): the norms add in eager's order
+           (train.compile_eager_reductions=all): the norms add in eager's order, forward and backward
+  bf16-compiled-eager-mean  bf16-compiled with inductor calling aten's mean kernel only
+           (train.compile_eager_reductions=mean): the norms' forward adds in eager's order
   Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
-  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but
-  bf16-compiled-eager-reductions train.compile_eager_reductions=false (the default).
+  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but the
+  last two train.compile_eager_reductions=none (the default).
 """
 
 from __future__ import annotations
@@ -88,7 +90,7 @@ FP32_MODULE = {"train.master_weights": "module"}
 COMPILED = {
     "train.compile": "true",
     "train.compile_emulate_precision_casts": "true",
-    "train.compile_eager_reductions": "false",
+    "train.compile_eager_reductions": "none",
 }
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
@@ -114,7 +116,14 @@ VARIANT_OVERRIDES = {
         "kernels.mrope": "fused",
         "packing.mode": "packed",
         **COMPILED,
-        "train.compile_eager_reductions": "true",
+        "train.compile_eager_reductions": "all",
+        "train.master_weights": "optimizer",
+    },
+    "bf16-compiled-eager-mean": {
+        "kernels.mrope": "fused",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_eager_reductions": "mean",
         "train.master_weights": "optimizer",
     },
 }

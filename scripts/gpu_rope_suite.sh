@@ -16,8 +16,9 @@
 #                                                       compile-accuracy (one 3B-wide decoder layer compiled against
 #                                                       eager and float64, scripts/compile_accuracy.py),
 #                                                       levers-3b-eager-reductions and curve-3b-eager-reductions
-#                                                       (bf16-compiled with train.compile_eager_reductions: its speed
-#                                                       against bf16-compiled, its 30-step curve)
+#                                                       (bf16-compiled with train.compile_eager_reductions=all: its
+#                                                       speed against bf16-compiled, its 30-step curve),
+#                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean)
 #   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 REPORT_TO=wandb \
 #     bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
@@ -77,6 +78,14 @@ longest() {  # longest NAME RECIPE "TOKENS ..." [OVERRIDE ...]: 2-step probes pe
     --json $OUT/longest_$name/fit.json \$(dirname \$(ls $OUT/longest_$name/*/summary.json))"
 }
 
+curve_eager_reductions() {  # curve_eager_reductions WHICH: curve-3b with train.compile_eager_reductions=WHICH
+  local name=curve_3b_eager_$1
+  [ "$1" = all ] && name=curve_3b_eager_reductions
+  step "$name" 900 $PY -m scripts.distributed_parity --out "$OUT/$name.json" --gpus 2 \
+    --recipes recipes/bench-qwen2_5_vl-3b-shape.yaml --layouts single,bf16-compiled --repeat-single --steps 30 \
+    --no-resume --launch-timeout 400 data.num_samples=4000 data.num_workers=8 train.compile_eager_reductions="$1"
+}
+
 for stage in $STAGES; do
   case $stage in
     # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
@@ -107,15 +116,15 @@ for stage in $STAGES; do
       --steps 30 --no-resume --launch-timeout 400 data.num_samples=4000 data.num_workers=8 train.compile=true ;;
     levers-3b-eager-reductions) compare levers_3b_eager_reductions bench-qwen2_5_vl-3b-shape \
       bf16-compiled,bf16-compiled-eager-reductions ;;
-    curve-3b-eager-reductions) step curve_3b_eager_reductions 900 $PY -m scripts.distributed_parity \
-      --out "$OUT/curve_3b_eager_reductions.json" --gpus 2 --recipes recipes/bench-qwen2_5_vl-3b-shape.yaml \
-      --layouts single,bf16-compiled --repeat-single --steps 30 --no-resume --launch-timeout 400 \
-      data.num_samples=4000 data.num_workers=8 train.compile_eager_reductions=true ;;
+    levers-3b-eager-mean) compare levers_3b_eager_mean bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-mean ;;
+    curve-3b-eager-reductions) curve_eager_reductions all ;;
+    curve-3b-eager-mean) curve_eager_reductions mean ;;
     compile-accuracy) step compile_accuracy 300 $PY -m scripts.compile_accuracy --device cuda --hidden 2048 \
       --tokens 4096 ;;
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
-      "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions)"; exit 2 ;;
+      "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
+      "curve-3b-eager-mean)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

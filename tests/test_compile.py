@@ -31,7 +31,7 @@ from tests.test_distributed import WORKER_EXIT
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
-from training.eager_reductions import REDUCTIONS, lower_reductions_to_aten
+from training.eager_reductions import LOWERED, lower_reductions_to_aten, overloads
 from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
 from training.run_files import read_metrics
 from verification.packing_check import SampleSpec, label_loss, pack_samples
@@ -298,26 +298,47 @@ def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emu
     assert torch._inductor.config.emulate_precision_casts is before
 
 
-def test_eager_reductions_last_until_uncompiled(tiny_model):
-    """`eager_reductions` lowers every overload of sum and mean to aten's kernels and turns inductor's compile caches
-    off (a cached graph would have inductor's own reductions); uncompile puts the lowerings, the fallback sets and
-    the caches back as they were."""
+@pytest.mark.parametrize("which", ["mean", "all"])
+def test_eager_reductions_last_until_uncompiled(tiny_model, which):
+    """`eager_reductions` lowers every overload of the reductions it names (mean; sum and mean) to aten's kernels,
+    leaves the others to inductor, and turns inductor's compile caches off (a cached graph would have inductor's own
+    reductions); uncompile puts the lowerings, the fallback sets and the caches back as they were."""
     from torch._inductor import lowering
 
-    overloads = [o for packet in REDUCTIONS for o in packet.op_overloads()]
-    before = {op: lowering.lowerings.get(op) for op in overloads}
+    is_fallback = {op: False for op in overloads(LOWERED["all"])} | {op: True for op in overloads(LOWERED[which])}
+    assert len(set(is_fallback.values())) == (1 if which == "all" else 2)
+    before = {op: lowering.lowerings.get(op) for op in is_fallback}
     fallbacks, realized = set(lowering.fallbacks), set(lowering.needs_realized_inputs)
     caches = (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache)
     model = packed_model(tiny_model, "qwen2_5_vl")
-    report = regional.compile_blocks(model, backend="aot_eager", eager_reductions=True)
-    assert "reductions on aten's kernels" in str(report)
-    assert all(getattr(lowering.lowerings[op], "_is_fallback_handler", False) for op in overloads)
+    report = regional.compile_blocks(model, backend="aot_eager", eager_reductions=which)
+    assert {"mean": "; means on aten's kernels", "all": "; sums and means on aten's kernels"}[which] in str(report)
+    assert {op: getattr(lowering.lowerings.get(op), "_is_fallback_handler", False) for op in is_fallback} == is_fallback
     assert not torch._inductor.config.fx_graph_cache and not torch._functorch.config.enable_autograd_cache
     regional.uncompile_blocks(model)
-    assert {op: lowering.lowerings.get(op) for op in overloads} == before
+    assert {op: lowering.lowerings.get(op) for op in is_fallback} == before
     assert set(lowering.fallbacks) == fallbacks and set(lowering.needs_realized_inputs) == realized
     assert (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache) == caches
-    assert not any(getattr(before[op], "_is_fallback_handler", False) for op in overloads if before[op] is not None)
+    assert not any(getattr(op, "_is_fallback_handler", False) for op in before.values())
+
+
+def test_eager_reductions_take_the_recipe_keys_choices_only(tiny_model):
+    """The recipe key offers exactly the settings compile_blocks knows ("none", the default, lowers nothing and
+    keeps the caches); anything else is a clear error before any block is touched."""
+    import typing
+
+    from training.config import TrainConfig
+
+    assert typing.get_args(typing.get_type_hints(TrainConfig)["compile_eager_reductions"]) == tuple(LOWERED)
+    assert load_config(None).train.compile_eager_reductions == "none"
+    model = packed_model(tiny_model, "qwen2_5_vl")
+    with pytest.raises(ValueError, match="eager_reductions must be one of"):
+        regional.compile_blocks(model, backend="aot_eager", eager_reductions=True)
+    assert "forward" not in model.model.language_model.layers[0].__dict__
+    report = regional.compile_blocks(model, backend="aot_eager")
+    assert report.eager_reductions == "none" and report.undo_eager_reductions is None
+    assert "aten's kernels" not in str(report)
+    regional.uncompile_blocks(model)
 
 
 def test_inductor_rounds_as_eager_only_with_emulated_casts():
@@ -384,7 +405,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         "train.warmup_steps=1",
         f"train.compile={str(enabled).lower()}",
         "train.compile_emulate_precision_casts=false",
-        "train.compile_eager_reductions=true",
+        "train.compile_eager_reductions=mean",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
         "logging.report_to=none",
@@ -403,7 +424,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
     assert len([r for r in records if "loss" in r]) == 2
     if enabled:
         assert len(compiled) == 1 and compiled[0].fullgraph
-        assert options == [{"emulate_precision_casts": False, "eager_reductions": True}]
+        assert options == [{"emulate_precision_casts": False, "eager_reductions": "mean"}]
         assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
     else:
         assert compiled == first == []
@@ -560,10 +581,12 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     """scripts/compile_accuracy.py's claims at a small width: tracing (aot_eager) changes no number; inductor's
     numbers are as far from float64 as eager's (another rounding, not a worse one), closer to eager's with the
     emulated casts that `train.compile_emulate_precision_casts` turns on than without, and equal to them once the
-    RMSNorms stay eager or inductor calls aten's reductions."""
-    layer, rope = compile_accuracy.build_layer(hidden=256)
+    RMSNorms stay eager or inductor calls aten's reductions; with aten's means alone, the forward equals eager's and
+    the gradients all but do. (At width 512 and 256 tokens: narrower, or fewer tokens, and inductor's CPU reductions
+    happen to add in eager's order.)"""
+    layer, rope = compile_accuracy.build_layer(hidden=512)
     generator = torch.Generator().manual_seed(1)
-    inputs, out_grad = torch.randn(2, 1, 96, 256, generator=generator).unbind()
+    inputs, out_grad = torch.randn(2, 1, 256, 512, generator=generator).unbind()
     reference = compile_accuracy.layer_numbers(layer, rope, inputs, out_grad, torch.float64)
     eager = compile_accuracy.layer_numbers(layer, rope, inputs, out_grad, torch.float32)
     traced = compile_accuracy.layer_numbers(
@@ -581,18 +604,23 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
             out64, grads64 = compile_accuracy.relative_errors(numbers, reference)
             assert out64 <= 1.1 * eager_out64 and max(grads64) <= 1.1 * max(eager_grads64)
             distance_to_eager[emulate] = max(compile_accuracy.relative_errors(numbers, eager)[1])
-        assert distance_to_eager[True] < distance_to_eager[False]
+        assert 1e-4 < distance_to_eager[True] < distance_to_eager[False]
         # What is left of the distance is the RMSNorms': with them eager, the rest compiles to eager's numbers
         # exactly; so does the whole layer once inductor calls aten's reductions (train.compile_eager_reductions).
         eager_norms = compile_accuracy.layer_numbers(
             layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
         )
-        undo = lower_reductions_to_aten()
-        try:
-            aten_reductions = compile_accuracy.layer_numbers(
-                layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
-            )
-        finally:
-            undo()
-    for numbers in (eager_norms, aten_reductions):
+        aten_reductions = {}
+        for which in ("mean", "all"):
+            undo = lower_reductions_to_aten(LOWERED[which])
+            try:
+                aten_reductions[which] = compile_accuracy.layer_numbers(
+                    layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
+                )
+            finally:
+                undo()
+    for numbers in (eager_norms, aten_reductions["all"]):
         assert torch.equal(numbers[0], eager[0]) and all(torch.equal(numbers[1][n], g) for n, g in eager[1].items())
+    # The backward's sums stay inductor's: a few last bits, 10x below the emulated casts' distance or less
+    assert torch.equal(aten_reductions["mean"][0], eager[0])
+    assert max(compile_accuracy.relative_errors(aten_reductions["mean"], eager)[1]) < 1e-5

@@ -58,7 +58,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from training import gated_delta
-from training.eager_reductions import lower_reductions_to_aten
+from training.eager_reductions import LOWERED, EagerReductions, lower_reductions_to_aten
 from training.packed import PACK_KWARG
 from training.parts import inner_model
 
@@ -84,10 +84,12 @@ class CompileReport:
     eager_mixers: tuple[str, ...]
     dynamo_config: dict  # the dynamo settings compile_blocks changed, as they were before
     inductor_config: dict  # likewise for inductor's
-    undo_eager_reductions: Callable[[], None] | None  # puts inductor's own reductions back (eager_reductions=True)
+    eager_reductions: EagerReductions  # which reductions inductor leaves to aten's kernels
+    undo_eager_reductions: Callable[[], None] | None  # puts inductor's own reductions back (None: "none")
 
     def __str__(self) -> str:
-        reductions = "; reductions on aten's kernels" if self.undo_eager_reductions else ""
+        lowered = {"none": "", "mean": "means", "all": "sums and means"}[self.eager_reductions]
+        reductions = f"; {lowered} on aten's kernels" if lowered else ""
         return (
             f"regional compile: {len(self.fullgraph)} blocks fullgraph, {len(self.with_eager_mixer)} decoder layers "
             f"around {len(self.eager_mixers)} eager Gated DeltaNet mixers{reductions}; compiles at the first step"
@@ -98,7 +100,7 @@ def compile_blocks(
     model: nn.Module,
     backend: str | Callable = "inductor",
     emulate_precision_casts: bool = True,
-    eager_reductions: bool = False,
+    eager_reductions: EagerReductions = "none",
 ) -> CompileReport:
     """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
     `model.model.visual.blocks` in place, with dynamic shapes; call it after the rope patch, the packed forward,
@@ -108,16 +110,20 @@ def compile_blocks(
     fused kernel's intermediates to the dtype eager stores them in (bf16 under autocast), as eager does; off, it keeps
     them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
     decoder layer: scripts/compile_accuracy.py); on, it is about twice as close, at no measured cost
-    (docs/benchmarks.md, "Thirteenth session"). eager_reductions: inductor calls aten's own sum and mean kernels
-    instead of generating reductions (training/eager_reductions.py), so the norms add in eager's order: on the CPU a
-    compiled decoder layer then equals eager bit for bit. Each block's own forward is compiled and set as the block's
-    `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring).
-    Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and
-    makes hitting it an error. Raises ValueError if the model is already compiled, has no such blocks, or a block
-    already has a forward of its own. Undo with `uncompile_blocks(model)`.
+    (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean" or "all" has inductor call aten's own kernels
+    for the means (the norms' forward) or for every sum and mean instead of generating reductions
+    (training/eager_reductions.py), so the norms add in eager's order: with "all", a compiled decoder layer then equals
+    eager bit for bit on the CPU, and the 3B shape's 30-step curve stays with eager's, at 5% of its speed. Each block's
+    own forward is compiled and set as the block's `forward`, inside an eager gradient checkpoint when the block
+    checkpoints (module docstring). Parameters, buffers and state-dict keys are unchanged. Raises dynamo's recompile
+    limit to RECOMPILE_LIMIT and makes hitting it an error. Raises ValueError if the model is already compiled, has no
+    such blocks, a block already has a forward of its own, or eager_reductions is none of LOWERED's keys. Undo with
+    `uncompile_blocks(model)`.
     """
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError("this model's blocks are already compiled.")
+    if eager_reductions not in LOWERED:
+        raise ValueError(f"eager_reductions must be one of {list(LOWERED)}, got {eager_reductions!r}.")
     inner = inner_model(model)
     named = [
         ("model.language_model.layers", inner.language_model, "layers"),
@@ -155,9 +161,16 @@ def compile_blocks(
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     # Read when a block compiles (its first forward), so it stays set until uncompile_blocks.
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
-    undo_eager_reductions = lower_reductions_to_aten() if eager_reductions else None
+    lowered = LOWERED[eager_reductions]
+    undo_eager_reductions = lower_reductions_to_aten(lowered) if lowered else None
     report = CompileReport(
-        tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config, inductor_config, undo_eager_reductions
+        tuple(fullgraph),
+        tuple(with_mixer),
+        tuple(mixers),
+        dynamo_config,
+        inductor_config,
+        eager_reductions,
+        undo_eager_reductions,
     )
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
