@@ -12,8 +12,8 @@ that lands next to a bf16 rounding boundary (the cast for the next matmul) a bf1
   CPU, forward and backward, and its output on the H200 (scripts/compile_accuracy.py); the 30-step curve stayed
   within 0.063 and 0.014 of eager's in two draws. It cost 4.9% of the 3B shape's throughput on the H200.
 - "mean" (the norms' forward mean of squares only): the forward equals eager's, as with "all"; the backward's sums
-  stay inductor's, fused where they are computed. Fewer tensors written out, so cheaper than "all"; its cost and
-  curve are not yet measured on the GPU.
+  stay inductor's, fused where they are computed. With fewer tensors written out it should cost less than "all";
+  its cost and curve are not yet measured on the GPU.
 
 The cost: each lowered reduction's input is written out in full instead of being reduced where it is computed.
 
