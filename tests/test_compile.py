@@ -578,7 +578,7 @@ def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
 
 
 def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
-    """scripts/compile_accuracy.py's claims at a small width: tracing (aot_eager) changes no number; inductor's
+    """scripts/compile_accuracy.py's claims at a CPU-sized width: tracing (aot_eager) changes no number; inductor's
     numbers are as far from float64 as eager's (another rounding, not a worse one), closer to eager's with the
     emulated casts that `train.compile_emulate_precision_casts` turns on than without, and equal to them once the
     RMSNorms stay eager or inductor calls aten's reductions; with aten's means alone, the forward equals eager's and
