@@ -31,7 +31,7 @@ from tests.test_distributed import WORKER_EXIT
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
-from training.eager_reductions import LOWERED, lower_reductions_to_aten, overloads
+from training.eager_reductions import LOWERED, decomposition_tables, lower_reductions_to_aten, overloads
 from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
 from training.run_files import read_metrics
 from verification.packing_check import SampleSpec, label_loss, pack_samples
@@ -300,23 +300,30 @@ def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emu
 
 @pytest.mark.parametrize("which", ["mean", "all"])
 def test_eager_reductions_last_until_uncompiled(tiny_model, which):
-    """`eager_reductions` lowers every overload of the reductions it names (mean; sum and mean) to aten's kernels,
+    """`eager_reductions` lowers every overload of the reductions it names (mean and layer norm; sum, mean and layer
+    norm forward and backward) to aten's kernels, with no decomposition left in inductor's tables to bypass them,
     leaves the others to inductor, and turns inductor's compile caches off (a cached graph would have inductor's own
-    reductions); uncompile puts the lowerings, the fallback sets and the caches back as they were."""
+    reductions); uncompile puts the lowerings, the decompositions, the fallback sets and the caches back as they
+    were."""
     from torch._inductor import lowering
 
     is_fallback = {op: False for op in overloads(LOWERED["all"])} | {op: True for op in overloads(LOWERED[which])}
     assert len(set(is_fallback.values())) == (1 if which == "all" else 2)
     before = {op: lowering.lowerings.get(op) for op in is_fallback}
+    tables_before = [dict(table) for table in decomposition_tables()]
+    assert torch.ops.aten.native_layer_norm.default in tables_before[0]  # inductor decomposes it unless told not to
     fallbacks, realized = set(lowering.fallbacks), set(lowering.needs_realized_inputs)
     caches = (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache)
     model = packed_model(tiny_model, "qwen2_5_vl")
     report = regional.compile_blocks(model, backend="aot_eager", eager_reductions=which)
-    assert {"mean": "; means on aten's kernels", "all": "; sums and means on aten's kernels"}[which] in str(report)
+    lowered = {"mean": "means and layer norms", "all": "sums, means and layer norms"}[which]
+    assert f"; {lowered} on aten's kernels" in str(report)
     assert {op: getattr(lowering.lowerings.get(op), "_is_fallback_handler", False) for op in is_fallback} == is_fallback
+    assert not any(op in table for op in overloads(LOWERED[which]) for table in decomposition_tables())
     assert not torch._inductor.config.fx_graph_cache and not torch._functorch.config.enable_autograd_cache
     regional.uncompile_blocks(model)
     assert {op: lowering.lowerings.get(op) for op in is_fallback} == before
+    assert [dict(table) for table in decomposition_tables()] == tables_before
     assert set(lowering.fallbacks) == fallbacks and set(lowering.needs_realized_inputs) == realized
     assert (torch._inductor.config.fx_graph_cache, torch._functorch.config.enable_autograd_cache) == caches
     assert not any(getattr(op, "_is_fallback_handler", False) for op in before.values())
@@ -624,3 +631,43 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     # The backward's sums stay inductor's: a few last bits, 10x below the emulated casts' distance or less
     assert torch.equal(aten_reductions["mean"][0], eager[0])
     assert max(compile_accuracy.relative_errors(aten_reductions["mean"], eager)[1]) < 1e-5
+
+
+def test_aten_reductions_make_a_compiled_layer_norm_eager():
+    """The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into
+    reductions of its own: a norm and a biased linear as in those blocks (Qwen3-VL's width, bf16 autocast) compile to
+    other numbers than eager's by default (checked, so the test cannot pass vacuously), to eager's forward with
+    aten's means and layer norms, and to eager's numbers throughout with every sum, mean and layer norm."""
+    torch.manual_seed(0)
+    block = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(1152, eps=1e-6), "linear": torch.nn.Linear(1152, 1152)})
+    torch.nn.init.normal_(block.norm.weight, mean=1.0, std=0.1)
+    torch.nn.init.normal_(block.norm.bias, std=0.1)
+    inputs, out_grad = torch.randn(2, 256, 1152).unbind()
+
+    def numbers(forward) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        block.zero_grad(set_to_none=True)
+        x = inputs.clone().requires_grad_()
+        with torch.autocast("cpu", torch.bfloat16):
+            out = forward(x)
+        out.backward(out_grad)
+        return out.detach(), [x.grad, *(p.grad for p in block.parameters())]
+
+    def norm_then_linear(x: torch.Tensor) -> torch.Tensor:
+        return x + block.linear(block.norm(x))
+
+    eager = numbers(norm_then_linear)
+    compiled = {}
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        for which in LOWERED:
+            torch._dynamo.reset()
+            undo = lower_reductions_to_aten(LOWERED[which])
+            try:
+                compiled[which] = numbers(torch.compile(norm_then_linear, backend="inductor"))
+            finally:
+                undo()
+    out, grads = compiled["none"]
+    assert not torch.equal(out, eager[0]) and not all(map(torch.equal, grads, eager[1]))
+    out, grads = compiled["mean"]
+    assert torch.equal(out, eager[0]) and not all(map(torch.equal, grads, eager[1]))
+    out, grads = compiled["all"]
+    assert torch.equal(out, eager[0]) and all(map(torch.equal, grads, eager[1]))

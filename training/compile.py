@@ -73,6 +73,8 @@ _DISTINCT_SYMBOLS = torch.fx.experimental._config.patch(use_duck_shape=False)
 # a view, Qwen3.5's linear- and full-attention layers, each in training and in eval (grad mode). Bounded (pack shapes
 # add none), but it can exceed 8.
 RECOMPILE_LIMIT = 64
+# What the report says each eager_reductions setting leaves to aten's kernels
+_ATEN_REDUCTIONS = {"none": "", "mean": "means and layer norms", "all": "sums, means and layer norms"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +90,7 @@ class CompileReport:
     undo_eager_reductions: Callable[[], None] | None  # puts inductor's own reductions back (None: "none")
 
     def __str__(self) -> str:
-        lowered = {"none": "", "mean": "means", "all": "sums and means"}[self.eager_reductions]
+        lowered = _ATEN_REDUCTIONS[self.eager_reductions]
         reductions = f"; {lowered} on aten's kernels" if lowered else ""
         return (
             f"regional compile: {len(self.fullgraph)} blocks fullgraph, {len(self.with_eager_mixer)} decoder layers "
@@ -111,7 +113,7 @@ def compile_blocks(
     them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
     decoder layer: scripts/compile_accuracy.py); on, it is about twice as close, at no measured cost
     (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean" or "all" has inductor call aten's own kernels
-    for the means (the norms' forward) or for every sum and mean instead of generating reductions
+    for the norms' forward (means, layer norms) or for every sum, mean and layer norm instead of generating reductions
     (training/eager_reductions.py), so the norms add in eager's order: with "all", a compiled decoder layer then equals
     eager bit for bit on the CPU, and the 3B shape's 30-step curve stays with eager's, at 5% of its speed. Each block's
     own forward is compiled and set as the block's `forward`, inside an eager gradient checkpoint when the block

@@ -1,4 +1,5 @@
-"""Inductor lowering sum and mean to aten's own kernels, so the compiled blocks' reductions add in eager's order.
+"""Inductor calling aten's own kernels for sums, means and layer norms, so the compiled blocks' norms add in eager's
+order.
 
 Why (docs/benchmarks.md, "Thirteenth session" and "Fourteenth session"): with eager's bf16 roundings emulated
 (`train.compile_emulate_precision_casts`), what is left between a compiled decoder layer and eager is the RMSNorms.
@@ -8,17 +9,22 @@ that lands next to a bf16 rounding boundary (the cast for the next matmul) a bf1
 30-step run of the 3B shape the compiled curve left the eager one by 0.29-0.43 where eager's own repeat left it by
 0.08-0.17. Lowered to aten's kernels, which inductor then calls as extern kernels between its fused ones:
 
-- "all" (every sum and mean, forward and backward): a compiled Qwen2 decoder layer equals eager bit for bit on the
-  CPU, forward and backward, and its output on the H200 (scripts/compile_accuracy.py); the 30-step curve stayed
-  within 0.063 and 0.014 of eager's in two draws. It cost 4.9% of the 3B shape's throughput on the H200.
-- "mean" (the norms' forward mean of squares only): the forward equals eager's, as with "all"; the backward's sums
-  stay inductor's, fused where they are computed. With fewer tensors written out it should cost less than "all";
-  its cost and curve are not yet measured on the GPU.
+- "all" (every sum and mean, forward and backward, and the layer norms' forward and backward): a compiled Qwen2
+  decoder layer equals eager bit for bit on the CPU, forward and backward, and its output on the H200
+  (scripts/compile_accuracy.py); the 30-step curve stayed within 0.063 and 0.014 of eager's in two draws. It cost
+  4.9% of the 3B shape's throughput on the H200 (whose blocks have RMSNorms only).
+- "mean" (the norms' forward: the RMSNorms' mean of squares and the layer norms): the forward equals eager's, as
+  with "all"; the backward's sums stay inductor's, fused where they are computed. With fewer tensors written out it
+  should cost less than "all"; its cost and curve are not yet measured on the GPU.
+
+The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into its own
+mean and variance reductions before any lowering is looked up: the layer norms' decompositions leave inductor's
+tables while the change holds, so aten's fused layer-norm kernels run as eager runs them.
 
 The cost: each lowered reduction's input is written out in full instead of being reduced where it is computed.
 
-Lowerings are process-wide: `lower_reductions_to_aten()` changes inductor's table for every graph compiled after it
-and returns the function that puts the table back. Inductor's FX-graph cache and AOTAutograd's cache key on the graph
+Lowerings are process-wide: `lower_reductions_to_aten()` changes inductor's tables for every graph compiled after it
+and returns the function that puts them back. Inductor's FX-graph cache and AOTAutograd's cache key on the graph
 and the configs, not on the lowerings, so both stay off while the change holds: a graph compiled before it, with
 inductor's own reductions, is never reused from disk.
 """
@@ -31,14 +37,15 @@ from typing import Literal
 import torch
 import torch._functorch.config
 import torch._inductor.config
-from torch._inductor import lowering
+from torch._inductor import decomposition, lowering
 
+aten = torch.ops.aten
 EagerReductions = Literal["none", "mean", "all"]
 # What each `train.compile_eager_reductions` setting lowers to aten's kernels
 LOWERED: dict[str, tuple[torch._ops.OpOverloadPacket, ...]] = {
     "none": (),
-    "mean": (torch.ops.aten.mean,),
-    "all": (torch.ops.aten.sum, torch.ops.aten.mean),
+    "mean": (aten.mean, aten.native_layer_norm),
+    "all": (aten.sum, aten.mean, aten.native_layer_norm, aten.native_layer_norm_backward),
 }
 _CACHES = ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache"))
 
@@ -48,14 +55,24 @@ def overloads(packets: Sequence[torch._ops.OpOverloadPacket]) -> list[torch._ops
     return [getattr(packet, name) for packet in packets for name in packet.overloads()]
 
 
+def decomposition_tables() -> tuple[dict, ...]:
+    """The decomposition tables AOTAutograd traces inductor's graphs with (`select_decomp_table` returns one of them,
+    the second a cached copy of the first with faster random ops)."""
+    return decomposition.decompositions, decomposition.fast_random_decomps()
+
+
 def lower_reductions_to_aten(packets: Sequence[torch._ops.OpOverloadPacket] = LOWERED["all"]) -> Callable[[], None]:
-    """Make inductor call aten's kernels for `packets` (every overload; default sum and mean) instead of generating
-    its own reductions, with its compile caches off; returns the function that undoes both. Call it before the graphs
-    compile (blocks compile at their first forward)."""
+    """Make inductor call aten's kernels for `packets` (every overload; default LOWERED["all"]) instead of generating
+    its own reductions: their decompositions leave inductor's tables and they become fallbacks, with its compile
+    caches off; returns the function that undoes all three. Call it before the graphs compile (blocks compile at their
+    first forward)."""
     tracked = (*packets, *overloads(packets))
     lowerings_before = {op: lowering.lowerings.get(op) for op in tracked}
     fallbacks_before = {op for op in tracked if op in lowering.fallbacks}
     realized_before = {op for op in tracked if op in lowering.needs_realized_inputs}
+    decompositions_removed = [
+        (table, op, table.pop(op)) for table in decomposition_tables() for op in tracked if op in table
+    ]
     caches_before = [(config, name, getattr(config, name)) for config, name in _CACHES]
     for packet in packets:
         lowering.make_fallback(packet, warn=False, override_decomp=True)
@@ -63,6 +80,8 @@ def lower_reductions_to_aten(packets: Sequence[torch._ops.OpOverloadPacket] = LO
         setattr(config, name, False)
 
     def undo() -> None:
+        for table, op, decomposed in decompositions_removed:
+            table[op] = decomposed
         for op, previous in lowerings_before.items():
             if previous is None:
                 lowering.lowerings.pop(op, None)
