@@ -18,7 +18,9 @@
 #                                                       levers-3b-eager-reductions and curve-3b-eager-reductions
 #                                                       (bf16-compiled with train.compile_eager_reductions=all: its
 #                                                       speed against bf16-compiled, its 30-step curve),
-#                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean)
+#                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean),
+#                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
+#                                                       ViT blocks' layer norms go to aten as well)
 #   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 REPORT_TO=wandb \
 #     bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
@@ -117,6 +119,7 @@ for stage in $STAGES; do
     levers-3b-eager-reductions) compare levers_3b_eager_reductions bench-qwen2_5_vl-3b-shape \
       bf16-compiled,bf16-compiled-eager-reductions ;;
     levers-3b-eager-mean) compare levers_3b_eager_mean bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-mean ;;
+    levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
     curve-3b-eager-mean) curve_eager_reductions mean ;;
     compile-accuracy) step compile_accuracy 300 $PY -m scripts.compile_accuracy --device cuda --hidden 2048 \
@@ -124,7 +127,7 @@ for stage in $STAGES; do
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
-      "curve-3b-eager-mean)"; exit 2 ;;
+      "curve-3b-eager-mean levers-8b-eager-mean)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
