@@ -38,12 +38,27 @@ LAYOUT_VISION = 2  # ViT 2-D: lanes [0,R/4) row, [R/4,R/2) column; the frequency
 # The interpreter runs on CPU tensors with numpy and knows nothing of libdevice; triton decides this at import time.
 RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+# How a program's tile covers the rotary lanes of a head (the `TILE` constexpr):
+TILE_HALVES = 0  # lanes [0, R/2) and their partners [R/2, R), each half padded to a power of two (`_rotate_heads`)
+TILE_ROWS = 1  # the whole row [0, R), padded, the partner lane gathered in registers (`_rotate_rows`; R == D only)
+TILE_SPLIT = 2  # halves as a power-of-two part and its tail, R/2 = 36 as 32 + 4: no padded lanes (`_rotate_heads`)
+
 # Elements per (tokens × heads × half-lanes) tile. Swept on an H200 at 16k tokens (BLOCK_T 1-16, 2-8 warps): one
 # token per program with all heads (1024 half-lane elements, 2 warps) was fastest in four of the five anchor cases,
 # 3-7% over the copy floor for three of them (docs/benchmarks.md); larger tiles were 5-30% slower.
 _TILE_ELEMENTS = 1024
 _MAX_HEADS_PER_TILE = 16
 _MAX_ALIGN = 16  # element alignment hint cap (16 bf16 = 32 B, two 128-bit vectors)
+
+
+@triton.jit
+def _rotate_pairs(X, OUT, x_off, o_off, mask, cos, sin, HALF: tl.constexpr):
+    """Rotate-half at the given offsets of lanes l < R/2: out[l] = x[l] cos - x[l + R/2] sin, out[l + R/2] =
+    x[l + R/2] cos + x[l] sin."""
+    x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + o_off, (x1 * cos - x2 * sin).to(OUT.dtype.element_ty), mask=mask)
+    tl.store(OUT + o_off + HALF, (x2 * cos + x1 * sin).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -58,15 +73,19 @@ def _rotate_heads(
     stride_out_head,
     cos,  # (BLOCK_T, BLOCK_HALF) fp32, attention scaling folded in
     sin,  # (BLOCK_T, BLOCK_HALF) fp32, negated for the conjugate (backward) rotation
+    cos_tail,  # (BLOCK_T, BLOCK_TAIL) fp32: lanes [BLOCK_HALF, R/2) when BLOCK_TAIL > 0 (else unused)
+    sin_tail,
     HALF: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     COPY_PASS: tl.constexpr,
 ):
-    """Rotate lanes [0, R) of every head of the token block; copy lanes [R, D) when COPY_PASS."""
+    """Rotate lanes [0, R) of every head of the token block: lanes [0, BLOCK_HALF) of each half (all of it,
+    padded, when BLOCK_TAIL is 0), then its tail [BLOCK_HALF, R/2); copy lanes [R, D) when COPY_PASS."""
     lanes = tl.arange(0, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     lane_mask = lanes < HALF
@@ -77,10 +96,13 @@ def _rotate_heads(
         mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & lane_mask[None, None, :]
         x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
         o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
-        x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + o_off, (x1 * cos3 - x2 * sin3).to(OUT.dtype.element_ty), mask=mask)
-        tl.store(OUT + o_off + HALF, (x2 * cos3 + x1 * sin3).to(OUT.dtype.element_ty), mask=mask)
+        _rotate_pairs(X, OUT, x_off, o_off, mask, cos3, sin3, HALF)
+        if BLOCK_TAIL > 0:
+            tail = BLOCK_HALF + tl.arange(0, BLOCK_TAIL)
+            tail_mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & (tail < HALF)[None, None, :]
+            xt_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + tail[None, None, :]
+            ot_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + tail[None, None, :]
+            _rotate_pairs(X, OUT, xt_off, ot_off, tail_mask, cos_tail[:, None, :], sin_tail[:, None, :], HALF)
         if COPY_PASS:
             pass_lanes = tl.arange(0, BLOCK_PASS)
             pass_mask = token_mask[:, None, None] & (head < n_heads)[None, :, None]
@@ -137,6 +159,55 @@ def _rotate_rows(
 
 
 @triton.jit
+def _cos_sin(
+    freq_lane,  # (L,) frequency lanes, < R/2 where lane_mask
+    lane_mask,
+    pos_0,  # (BLOCK_T,) fp32 positions per axis (pos_2 unused by the vision layout)
+    pos_1,
+    pos_2,
+    INV_FREQ,
+    scaling,
+    LAYOUT: tl.constexpr,
+    SECTION_0: tl.constexpr,
+    SECTION_1: tl.constexpr,
+    SECTION_2: tl.constexpr,
+    HALF: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    USE_LIBDEVICE: tl.constexpr,
+):
+    """(BLOCK_T, L) fp32 cos and sin of the tokens' angles at `freq_lane`, attention scaling folded in, sin negated
+    for CONJUGATE. Lane → (axis, frequency index) is constexpr-driven, evaluated once per program."""
+    if LAYOUT == 0:
+        axis = (freq_lane >= SECTION_0).to(tl.int32) + (freq_lane >= SECTION_0 + SECTION_1).to(tl.int32)
+        freq_index = freq_lane
+    elif LAYOUT == 1:
+        is_height = ((freq_lane % 3) == 1) & (freq_lane < 3 * SECTION_1)
+        is_width = ((freq_lane % 3) == 2) & (freq_lane < 3 * SECTION_2)
+        axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
+        freq_index = freq_lane
+    else:
+        axis = (freq_lane >= HALF // 2).to(tl.int32)
+        freq_index = freq_lane - axis * (HALF // 2)
+    inv_freq = tl.load(INV_FREQ + freq_index, mask=lane_mask, other=0.0)
+    if LAYOUT == 2:
+        position = tl.where(axis[None, :] == 1, pos_1[:, None], pos_0[:, None])
+    else:
+        position = tl.where(
+            axis[None, :] == 1, pos_1[:, None], tl.where(axis[None, :] == 2, pos_2[:, None], pos_0[:, None])
+        )
+    angle = position * inv_freq[None, :]  # fp32 product, as transformers computes it
+    if USE_LIBDEVICE:
+        cos = libdevice.cos(angle) * scaling
+        sin = libdevice.sin(angle) * scaling
+    else:
+        cos = tl.cos(angle) * scaling
+        sin = tl.sin(angle) * scaling
+    if CONJUGATE:
+        sin = -sin
+    return cos, sin
+
+
+@triton.jit
 def _rope_kernel(
     Q,
     K,
@@ -172,8 +243,10 @@ def _rope_kernel(
     SECTION_2: tl.constexpr,
     ROTARY_DIM: tl.constexpr,  # constexpr so the x2 = x + R/2 offset is a known multiple and loads vectorize
     HEAD_DIM: tl.constexpr,
-    ROW_TILE: tl.constexpr,  # rotate whole rows (_rotate_rows) instead of two halves (_rotate_heads)
-    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows), padded to a power of two for tl.arange
+    TILE: tl.constexpr,  # TILE_HALVES, TILE_ROWS or TILE_SPLIT: how a tile covers a head's rotary lanes
+    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows) padded to a power of two, or R/2's
+    # largest power of two (split)
+    BLOCK_TAIL: tl.constexpr,  # split: the rest of R/2, padded to a power of two (0 for the other tiles)
     BLOCK_PASS: tl.constexpr,  # D - R padded to a power of two (pass-through lanes)
     BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -190,55 +263,42 @@ def _rope_kernel(
     batch = (tokens // seq_len).to(tl.int64)
     seq = (tokens % seq_len).to(tl.int64)
 
-    # Lane → (axis, frequency index); all constexpr-driven, evaluated once per program. A row tile spans both
-    # halves: lane l and l + R/2 share frequency lane l.
+    pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
+    pos_0 = tl.load(POS + pos_offset, mask=token_mask, other=0).to(tl.float32)
+    pos_1 = tl.load(POS + pos_offset + stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
+    if LAYOUT == 2:
+        pos_2 = pos_1  # the vision rope has two axes
+    else:
+        pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
+
+    # A row tile spans both halves: lane l and l + R/2 share frequency lane l.
     lanes = tl.arange(0, BLOCK_LANES)
-    if ROW_TILE:
+    if TILE == 1:
         freq_lane = tl.where(lanes < HALF, lanes, lanes - HALF)
         lane_mask = lanes < ROTARY_DIM
     else:
         freq_lane = lanes
         lane_mask = lanes < HALF
-    if LAYOUT == 0:
-        axis = (freq_lane >= SECTION_0).to(tl.int32) + (freq_lane >= SECTION_0 + SECTION_1).to(tl.int32)
-        freq_index = freq_lane
-    elif LAYOUT == 1:
-        is_height = ((freq_lane % 3) == 1) & (freq_lane < 3 * SECTION_1)
-        is_width = ((freq_lane % 3) == 2) & (freq_lane < 3 * SECTION_2)
-        axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
-        freq_index = freq_lane
-    else:
-        axis = (freq_lane >= HALF // 2).to(tl.int32)
-        freq_index = freq_lane - axis * (HALF // 2)
-    inv_freq = tl.load(INV_FREQ + freq_index, mask=lane_mask, other=0.0)
-
-    pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
-    pos_0 = tl.load(POS + pos_offset, mask=token_mask, other=0).to(tl.float32)
-    pos_1 = tl.load(POS + pos_offset + stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
-    if LAYOUT == 2:
-        position = tl.where(axis[None, :] == 1, pos_1[:, None], pos_0[:, None])
-    else:
-        pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
-        position = tl.where(
-            axis[None, :] == 1, pos_1[:, None], tl.where(axis[None, :] == 2, pos_2[:, None], pos_0[:, None])
-        )
-    angle = position * inv_freq[None, :]  # fp32 product, as transformers computes it
-    if USE_LIBDEVICE:
-        cos = libdevice.cos(angle) * scaling
-        sin = libdevice.sin(angle) * scaling
-    else:
-        cos = tl.cos(angle) * scaling
-        sin = tl.sin(angle) * scaling
-    if CONJUGATE:
-        sin = -sin
-    if ROW_TILE:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
+    cos, sin = _cos_sin(
+        freq_lane, lane_mask, pos_0, pos_1, pos_2, INV_FREQ, scaling,
+        LAYOUT, SECTION_0, SECTION_1, SECTION_2, HALF, CONJUGATE, USE_LIBDEVICE,
+    )  # fmt: skip
+    if TILE == 1:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
         sin = tl.where(lanes[None, :] < HALF, -sin, sin)
+    if TILE == 2:
+        tail = BLOCK_LANES + tl.arange(0, BLOCK_TAIL)
+        cos_tail, sin_tail = _cos_sin(
+            tail, tail < HALF, pos_0, pos_1, pos_2, INV_FREQ, scaling,
+            LAYOUT, SECTION_0, SECTION_1, SECTION_2, HALF, CONJUGATE, USE_LIBDEVICE,
+        )  # fmt: skip
+    else:
+        cos_tail, sin_tail = cos, sin  # unused
 
     q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
     qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
     k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
     ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
-    if ROW_TILE:
+    if TILE == 1:
         _rotate_rows(
             Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
             cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ,
@@ -250,11 +310,13 @@ def _rope_kernel(
     else:
         _rotate_heads(
             Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
-            cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_PASS, BLOCK_HQ, COPY_PASS,
+            cos, sin, cos_tail, sin_tail, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_TAIL, BLOCK_PASS, BLOCK_HQ,
+            COPY_PASS,
         )  # fmt: skip
         _rotate_heads(
             K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
-            cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_PASS, BLOCK_HK, COPY_PASS,
+            cos, sin, cos_tail, sin_tail, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_TAIL, BLOCK_PASS, BLOCK_HK,
+            COPY_PASS,
         )  # fmt: skip
 
 
@@ -265,11 +327,25 @@ def _largest_pow2_dividing(values: list[int], cap: int) -> int:
     return align
 
 
-def uses_row_tile(rotary_dim: int, head_dim: int, element_size: int) -> bool:
-    """Whether whole rows are rotated as one tile: only when the rotary half (R/2 elements) is not a whole number of
-    16-byte vectors, so the second half would start mid-vector (ViT D=72 in bf16). Elsewhere two half tiles are at
-    the copy floor (text D=128, ViT D=80) and handle partial rotary."""
-    return rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0
+def default_tile(rotary_dim: int, head_dim: int, element_size: int) -> int:
+    """The tile kind: TILE_ROWS only when the rotary half (R/2 elements) is not a whole number of 16-byte vectors,
+    so the second half would start mid-vector (ViT D=72 in bf16), else TILE_HALVES: two half tiles are at the copy
+    floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT (no padded lanes) is not measured yet: the
+    benchmark sweep runs it."""
+    if rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0:
+        return TILE_ROWS
+    return TILE_HALVES
+
+
+def tile_lanes(tile: int, rotary_dim: int) -> tuple[int, int]:
+    """(BLOCK_LANES, BLOCK_TAIL) of a tile kind: the power-of-two lane counts its aranges span."""
+    half = rotary_dim // 2
+    if tile == TILE_ROWS:
+        return triton.next_power_of_2(rotary_dim), 0
+    if tile == TILE_SPLIT and half & (half - 1):  # R/2 not a power of two: its largest one, then the rest
+        main = 1 << (half.bit_length() - 1)
+        return main, triton.next_power_of_2(half - main)
+    return triton.next_power_of_2(half), 0
 
 
 def default_launch_config(
@@ -309,7 +385,7 @@ class LaunchPlan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def launch_plan(
     q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, dtypes,
-    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, row_tile=None,
+    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, tile=None,
 ):  # fmt: skip
     """The launch plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and strides;
     k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's kernels are
@@ -321,9 +397,11 @@ def launch_plan(
     n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
     rotary_dim = 4 * half_or_quarter if layout == LAYOUT_VISION else 2 * half_or_quarter
     copy_pass = rotary_dim < head_dim
-    if row_tile is None:
-        row_tile = uses_row_tile(rotary_dim, head_dim, dtypes[0].itemsize)
-    block_lanes = triton.next_power_of_2(rotary_dim if row_tile else rotary_dim // 2)
+    if tile is None:
+        tile = default_tile(rotary_dim, head_dim, dtypes[0].itemsize)
+    if tile == TILE_ROWS and rotary_dim < head_dim:
+        raise ValueError("row tiles rotate whole heads: they need R == D")
+    block_lanes, block_tail = tile_lanes(tile, rotary_dim)
     block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
     default_block_t, block_hq, block_hk, default_warps = default_launch_config(
         n_heads_q, n_heads_k, block_lanes, block_pass if copy_pass else 0
@@ -348,8 +426,8 @@ def launch_plan(
     )  # fmt: skip
     constexprs = dict(
         LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
-        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, ROW_TILE=row_tile,
-        BLOCK_LANES=block_lanes, BLOCK_PASS=block_pass,
+        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, TILE=tile,
+        BLOCK_LANES=block_lanes, BLOCK_TAIL=block_tail, BLOCK_PASS=block_pass,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
         CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
@@ -425,7 +503,7 @@ def rope_launch(
     conjugate: bool,
     block_t: int | None = None,
     num_warps: int | None = None,
-    row_tile: bool | None = None,
+    tile: int | None = None,
 ) -> None:
     """Rotate q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
 
@@ -433,11 +511,11 @@ def rope_launch(
     stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
     inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D. sections: the three mRoPE sections as a
     tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
-    block_t / num_warps / row_tile override the heuristics (benchmark sweeps only).
+    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT) override the heuristics (benchmark sweeps only).
     """
     plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
         (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
-        sections, conjugate, block_t, num_warps, row_tile,
+        sections, conjugate, block_t, num_warps, tile,
     )  # fmt: skip
     launch(plan, q, k, q_out, k_out, positions, inv_freq, float(scaling))

@@ -374,25 +374,33 @@ def _layout(case: Case) -> int:
     return triton_rope.LAYOUT_INTERLEAVED if case.interleaved else triton_rope.LAYOUT_CHUNKED
 
 
+# The sweep's name for each tile kind
+_TILE_NAMES = {triton_rope.TILE_HALVES: "half", triton_rope.TILE_ROWS: "row", triton_rope.TILE_SPLIT: "split"}
+
+
 def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
-    """Forward time of launcher variants (BLOCK_T, num_warps, and for R == D half vs row tiles), to tune the
-    heuristics; the default is the row marked `default`."""
+    """Forward time of launcher variants (BLOCK_T, num_warps, and the tile kinds: half tiles; for R == D row
+    tiles; where R/2 is not a power of two split half tiles), to tune the heuristics; the default is the row marked
+    `default`."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    row_tiles = [False, True] if case.rotary_dim == case.head_dim else [False]
+    half = case.rotary_dim // 2
+    tiles = [triton_rope.TILE_HALVES]
+    tiles += [triton_rope.TILE_ROWS] if case.rotary_dim == case.head_dim else []
+    tiles += [triton_rope.TILE_SPLIT] if half & (half - 1) else []
     configs = [(None, None, None)] + [
-        (bt, w, rt) for rt in row_tiles for bt, w in [(1, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+        (bt, w, tile) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
     ]
-    for block_t, warps, row_tile in configs:
+    for block_t, warps, tile in configs:
         t = bench_ms(
-            lambda bt=block_t, w=warps, rt=row_tile: triton_rope.rope_launch(
-                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, rt
+            lambda bt=block_t, w=warps, tile=tile: triton_rope.rope_launch(
+                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile
             )
         )
-        name = "default" if block_t is None else f"bt{block_t}_w{warps}" + ("_row" if row_tile else "_half")
+        name = "default" if block_t is None else f"bt{block_t}_w{warps}_{_TILE_NAMES[tile]}"
         rows.append({"case": case.name, "impl": f"sweep_{name}", "fwd_us": t * 1e3})
 
 

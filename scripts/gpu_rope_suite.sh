@@ -92,7 +92,7 @@ for stage in $STAGES; do
   case $stage in
     # every kernel test with CUDA tensors (real kernels, libdevice), then the patch's GPU tests
     tests) step gpu_tests 300 bash -c "$PY -m pytest -q tests/test_kernels.py tests/test_direct_launch.py && $PY -m pytest -q -m gpu tests/test_patch.py tests/test_fused_loss.py" ;;
-    bench) step bench_mrope 300 $PY -m scripts.bench_mrope --sweep --out "$OUT/bench_mrope.json" ;;
+    bench) step bench_mrope 420 $PY -m scripts.bench_mrope --sweep --out "$OUT/bench_mrope.json" ;;
     compare-3b) compare 3b bench-qwen2_5_vl-3b-shape fused,unfused,liger ;;
     compare-8b) compare 8b bench-qwen3_vl-8b-shape fused,unfused ;;
     compare-qwen3_5) compare qwen3_5 bench-qwen3_5-shape fused,unfused ;;

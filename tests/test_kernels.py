@@ -300,22 +300,32 @@ def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_
 # --------------------------------------------------------------------------------------------------------------
 
 
+HALVES, ROWS, SPLIT = triton_rope.TILE_HALVES, triton_rope.TILE_ROWS, triton_rope.TILE_SPLIT
+
+
 @pytest.mark.parametrize(
-    ("layout", "head_dim", "inv_len", "sections", "row_tile", "dtype"),
+    ("layout", "head_dim", "inv_len", "sections", "tile", "dtype"),
     [
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), False, torch.float32),
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), True, torch.float32),
-        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10), False, torch.float32),
-        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), True, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), False, torch.float32),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), True, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), True, torch.float16),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), HALVES, torch.float32),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), ROWS, torch.float32),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), SPLIT, torch.bfloat16),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10), HALVES, torch.float32),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 36, (12, 12, 12), SPLIT, torch.float32),
+        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), ROWS, torch.bfloat16),
+        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), SPLIT, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), HALVES, torch.float32),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), ROWS, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), SPLIT, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), ROWS, torch.float16),
+        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), SPLIT, torch.float16),
+        (triton_rope.LAYOUT_VISION, 56, 14, (0, 0, 0), SPLIT, torch.float32),
     ],
 )
-def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, row_tile, dtype):
+def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, tile, dtype):
     """Into NaN-poisoned outputs, the launcher writes every element (rotary and pass-through lanes) of every
-    head and token, with half tiles and with row tiles (forced here even where the heuristic would not pick
-    them): no NaN survives and the result equals the reference."""
+    head and token, with half tiles, row tiles and split half tiles (R/2 = 20, 36, 28 as a power of two and a tail
+    of 4, 4, 12; forced here even where the heuristic would not pick them): no NaN survives and the result equals
+    the reference."""
     torch.manual_seed(4)
     n_tokens, heads_q, heads_k = 29, 5, 3
     q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=dtype)
@@ -330,7 +340,7 @@ def test_launcher_writes_every_output_element(layout, head_dim, inv_len, section
         positions = text_positions((n_tokens,), 1000)
         interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
         ref = apply_mrope_reference(q.float(), k.float(), positions, inv_freq, sections, interleaved)
-    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, row_tile=row_tile)
+    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, tile=tile)
     assert_matches(q_out, ref[0], "q")
     assert_matches(k_out, ref[1], "k")
 
