@@ -56,7 +56,7 @@ Variants (train.py overrides they set):
            (train.compile_emulate_precision_casts=false), not rounded to bf16 where eager rounds them
   bf16-compiled-eager-reductions  bf16-compiled with inductor calling aten's sum, mean and layer-norm kernels
            (train.compile_eager_reductions=all): the norms add in eager's order, forward and backward
-  bf16-compiled-eager-mean  bf16-compiled with inductor calling aten's mean and layer-norm forward kernels only
+  bf16-compiled-eager-mean  bf16-compiled with inductor calling aten's mean and layer-norm kernels only
            (train.compile_eager_reductions=mean): the norms' forward adds in eager's order
   Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
   bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but the

@@ -301,10 +301,10 @@ def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emu
 @pytest.mark.parametrize("which", ["mean", "all"])
 def test_eager_reductions_last_until_uncompiled(tiny_model, which):
     """`eager_reductions` lowers every overload of the reductions it names (mean and layer norm; sum, mean and layer
-    norm forward and backward) to aten's kernels, with no decomposition left in inductor's tables to bypass them,
-    leaves the others to inductor, and turns inductor's compile caches off (a cached graph would have inductor's own
-    reductions); uncompile puts the lowerings, the decompositions, the fallback sets and the caches back as they
-    were."""
+    norm; a layer norm forward and backward) to aten's kernels, with no decomposition left in inductor's tables to
+    bypass them, leaves the others to inductor, and turns inductor's compile caches off (a cached graph would have
+    inductor's own reductions); uncompile puts the lowerings, the decompositions, the fallback sets and the caches
+    back as they were."""
     from torch._inductor import lowering
 
     is_fallback = {op: False for op in overloads(LOWERED["all"])} | {op: True for op in overloads(LOWERED[which])}
@@ -633,10 +633,12 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     assert max(compile_accuracy.relative_errors(aten_reductions["mean"], eager)[1]) < 1e-5
 
 
-def test_aten_reductions_make_a_compiled_layer_norm_eager():
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
+def test_aten_reductions_make_a_compiled_layer_norm_eager(input_dtype):
     """The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into
-    reductions of its own: a norm and a biased linear as in those blocks (Qwen3-VL's width, bf16 autocast) compile to
-    other numbers than eager's by default (checked, so the test cannot pass vacuously), to eager's forward with
+    reductions of its own: a norm and a biased linear as in those blocks (Qwen3-VL's width, bf16 autocast, fp32
+    weights; fp32 inputs, and bf16 inputs as CPU autocast leaves them) compile to other numbers than eager's by
+    default (checked, so the test cannot pass vacuously), to eager's forward and all but eager's gradients with
     aten's means and layer norms, and to eager's numbers throughout with every sum, mean and layer norm."""
     torch.manual_seed(0)
     block = torch.nn.ModuleDict({"norm": torch.nn.LayerNorm(1152, eps=1e-6), "linear": torch.nn.Linear(1152, 1152)})
@@ -646,10 +648,10 @@ def test_aten_reductions_make_a_compiled_layer_norm_eager():
 
     def numbers(forward) -> tuple[torch.Tensor, list[torch.Tensor]]:
         block.zero_grad(set_to_none=True)
-        x = inputs.clone().requires_grad_()
+        x = inputs.to(input_dtype).requires_grad_()
         with torch.autocast("cpu", torch.bfloat16):
             out = forward(x)
-        out.backward(out_grad)
+        out.backward(out_grad.to(out.dtype))
         return out.detach(), [x.grad, *(p.grad for p in block.parameters())]
 
     def norm_then_linear(x: torch.Tensor) -> torch.Tensor:
@@ -665,9 +667,37 @@ def test_aten_reductions_make_a_compiled_layer_norm_eager():
                 compiled[which] = numbers(torch.compile(norm_then_linear, backend="inductor"))
             finally:
                 undo()
-    out, grads = compiled["none"]
-    assert not torch.equal(out, eager[0]) and not all(map(torch.equal, grads, eager[1]))
+    assert not torch.equal(compiled["none"][0], eager[0])
     out, grads = compiled["mean"]
-    assert torch.equal(out, eager[0]) and not all(map(torch.equal, grads, eager[1]))
+    assert torch.equal(out, eager[0])
+    for grad, expected in zip(grads, eager[1]):
+        assert ((grad.float() - expected.float()).norm() / expected.float().norm()) < 1e-5
     out, grads = compiled["all"]
     assert torch.equal(out, eager[0]) and all(map(torch.equal, grads, eager[1]))
+
+
+@pytest.mark.parametrize(("family", "which"), [("qwen2_vl", "mean"), ("qwen2_vl", "all"), ("qwen3_5", "mean")])
+def test_inductor_with_aten_reductions_trains_as_eager(tiny_model, tiny_samples, family, which):
+    """The whole tiny model, every block compiled by inductor with `eager_reductions`, under bf16 autocast as
+    training runs it: loss and every gradient finite and as close to eager's as bf16 allows. (CPU autocast hands
+    the ViT's layer norms bf16 inputs with fp32 weights: a layer norm whose forward was aten's and backward
+    inductor's read aten's fp32 statistics as bf16 and gave NaN gradients to every ViT parameter.) Families whose
+    ViT blocks norm with nn.LayerNorm; Qwen3.5's decoder layers around eager Gated DeltaNet mixers."""
+    eager = packed_model(tiny_model, family)
+    compiled = packed_model(tiny_model, family)
+    report = regional.compile_blocks(compiled, backend="inductor", eager_reductions=which)
+    batch = pack_samples(eager, tiny_samples(eager, PACKS[0], seed=0))
+    try:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss, grads = loss_and_grads(compiled, batch)
+            expected_loss, expected_grads = loss_and_grads(eager, batch)
+    finally:
+        regional.uncompile_blocks(compiled)
+    assert report.eager_reductions == which
+    assert abs(loss.item() - expected_loss.item()) <= 1e-3 * abs(expected_loss.item())
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        assert torch.isfinite(grad).all(), name
+        error = (grad - expected_grads[name]).norm() / expected_grads[name].norm().clamp_min(1e-12)
+        # bf16 matmuls compiled or not round apart: inductor's own reductions reach 2.2% on small gradients here
+        assert error < 5e-2, f"{name}: relative error {error:.3g}"

@@ -13,13 +13,17 @@ that lands next to a bf16 rounding boundary (the cast for the next matmul) a bf1
   decoder layer equals eager bit for bit on the CPU, forward and backward, and its output on the H200
   (scripts/compile_accuracy.py); the 30-step curve stayed within 0.063 and 0.014 of eager's in two draws. It cost
   4.9% of the 3B shape's throughput on the H200 (whose blocks have RMSNorms only).
-- "mean" (the norms' forward: the RMSNorms' mean of squares and the layer norms): the forward equals eager's, as
-  with "all"; the backward's sums stay inductor's, fused where they are computed. With fewer tensors written out it
+- "mean" (the RMSNorms' forward mean of squares, and the layer norms): the forward equals eager's, as with "all";
+  the RMSNorms' backward sums stay inductor's, fused where they are computed. With fewer tensors written out it
   should cost less than "all"; its cost and curve are not yet measured on the GPU.
 
 The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into its own
 mean and variance reductions before any lowering is looked up: the layer norms' decompositions leave inductor's
-tables while the change holds, so aten's fused layer-norm kernels run as eager runs them.
+tables while the change holds, so aten's fused layer-norm kernels run as eager runs them. A layer norm goes to aten
+forward and backward together: for a bf16 input with fp32 weights (CPU autocast leaves layer norms' inputs as they
+are) aten's forward returns its mean and rstd in fp32 where the fake tensors inductor plans with say bf16, so a
+backward of inductor's own would read them as bf16 (NaN gradients, on the CPU); aten's backward takes them as they
+are.
 
 The cost: each lowered reduction's input is written out in full instead of being reduced where it is computed.
 
@@ -44,7 +48,7 @@ EagerReductions = Literal["none", "mean", "all"]
 # What each `train.compile_eager_reductions` setting lowers to aten's kernels
 LOWERED: dict[str, tuple[torch._ops.OpOverloadPacket, ...]] = {
     "none": (),
-    "mean": (aten.mean, aten.native_layer_norm),
+    "mean": (aten.mean, aten.native_layer_norm, aten.native_layer_norm_backward),
     "all": (aten.sum, aten.mean, aten.native_layer_norm, aten.native_layer_norm_backward),
 }
 _CACHES = ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache"))
