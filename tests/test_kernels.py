@@ -6,7 +6,12 @@ set of cases is chosen so every head_dim, layout, view kind, dtype, T class and 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +26,7 @@ from mrope_kernels import apply_mrope, apply_vision_rope, ops, triton_rope
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ROOT = Path(__file__).resolve().parents[1]
 FP32_RTOL = 2e-5
 
 
@@ -343,6 +349,72 @@ def test_launcher_writes_every_output_element(layout, head_dim, inv_len, section
     triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, tile=tile)
     assert_matches(q_out, ref[0], "q")
     assert_matches(k_out, ref[1], "k")
+
+
+# Compiles `_rope_kernel` for Hopper (sm_90) on the CPU, as `launch` would specialize it (16-byte aligned tensors),
+# in a process without TRITON_INTERPRET (under it `triton.jit` gives interpreted functions, which do not compile),
+# and prints, per case, the counts of each kind of global load and store in the PTX.
+HOPPER_PTX = """
+import collections, json, re, sys, torch, triton
+from triton.backends.compiler import GPUTarget
+from mrope_kernels import triton_rope
+
+POINTERS = {"Q": "*bf16", "K": "*bf16", "Q_OUT": "*bf16", "K_OUT": "*bf16", "POS": "*i64", "INV_FREQ": "*fp32"}
+accesses = {}
+for name, heads, head_dim, head_stride, tile in json.loads(sys.argv[1]):
+    shape, strides = (64, heads, head_dim), (heads * head_stride, head_stride, 1)
+    dtypes = (torch.bfloat16,) * 4 + (torch.int64, torch.float32)
+    plan = triton_rope.launch_plan(
+        shape, strides, shape, strides, strides, strides, (2, 1), dtypes, head_dim // 4, triton_rope.LAYOUT_VISION,
+        (0, 0, 0), False, tile=tile,
+    )
+    fn = triton_rope._rope_kernel
+    scalar_names = [n for n in fn.arg_names if n not in POINTERS and n not in plan.constexprs and n != "scaling"]
+    scalars = dict(zip(scalar_names, plan.scalars))
+    signature, constexprs, attrs = {}, dict(plan.constexprs), {}
+    for i, n in enumerate(fn.arg_names):
+        if n in POINTERS:
+            signature[n], attrs[(i,)] = POINTERS[n], [["tt.divisibility", 16]]
+        elif n in constexprs:
+            signature[n] = "constexpr"
+        elif n == "scaling":
+            signature[n] = "fp32"
+        elif scalars[n] == 1:  # the JIT makes ints equal to 1 constexprs
+            signature[n], constexprs[n] = "constexpr", 1
+        else:
+            signature[n] = "i32"
+            if scalars[n] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    source = triton.compiler.ASTSource(fn, signature, constexprs, attrs)
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": plan.num_warps}).asm["ptx"]
+    accesses[name] = collections.Counter(re.findall(r"\\b(?:ld|st)\\.global(?:\\.nc)?\\.(?:v\\d\\.)?b\\d+", ptx))
+print(json.dumps(accesses))
+"""
+
+
+def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
+    """ViT 16x72's three tile kinds compile for the H200's sm_90 (Triton 3.6 aborted on an earlier split tile's
+    gather) and move q and k in vectors, never one bf16 element (16 bits) at a time: 16-byte vectors for the row
+    tile, 8-byte ones for the halves that start mid-vector. A head stride of 73 elements, whose rows cannot be
+    aligned, is the control that shows the count can fail."""
+    cases = [
+        ("rows", 16, 72, 72, triton_rope.TILE_ROWS),
+        ("halves", 16, 72, 72, triton_rope.TILE_HALVES),
+        ("split", 16, 72, 72, triton_rope.TILE_SPLIT),
+        ("unaligned split", 16, 72, 73, triton_rope.TILE_SPLIT),
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", HOPPER_PTX, json.dumps(cases)], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    accesses = json.loads(result.stdout.splitlines()[-1])
+    for name in ("rows", "halves", "split"):
+        assert not any(kind.endswith(".b16") for kind in accesses[name]), (name, accesses[name])
+    assert accesses["rows"].get("ld.global.v4.b32") and accesses["split"].get("ld.global.v2.b32")
+    assert any(kind.endswith(".b16") for kind in accesses["unaligned split"]), accesses["unaligned split"]
 
 
 def test_cached_launch_plans_and_checks_follow_the_signature():
