@@ -137,9 +137,9 @@ def _rotate_rows(
     Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
     half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
     whole 16-byte vectors, and each lane's partner (l ± R/2) is gathered from the loaded row in registers
-    (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.37x the copy floor; a
-    second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two constant-offset loads
-    masked to one half each 1.64x.
+    (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.17x the copy floor on
+    2 warps (1.37x on 4); a second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two
+    constant-offset loads masked to one half each 1.64x (on 4 warps).
     """
     lanes = tl.arange(0, BLOCK_LANES)
     heads = tl.arange(0, BLOCK_H)
@@ -330,8 +330,8 @@ def _largest_pow2_dividing(values: list[int], cap: int) -> int:
 def default_tile(rotary_dim: int, head_dim: int, element_size: int) -> int:
     """The tile kind: TILE_ROWS only when the rotary half (R/2 elements) is not a whole number of 16-byte vectors,
     so the second half would start mid-vector (ViT D=72 in bf16), else TILE_HALVES: two half tiles are at the copy
-    floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT (no padded lanes) is not measured yet: the
-    benchmark sweep runs it."""
+    floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT (no padded lanes) times the same as the row
+    tile for ViT 16x72 on an H200 (forward 53.3 µs on 4 warps against 53.4 on 2), so it stays a sweep option."""
     if rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0:
         return TILE_ROWS
     return TILE_HALVES
@@ -351,13 +351,16 @@ def tile_lanes(tile: int, rotary_dim: int) -> tuple[int, int]:
 def default_launch_config(
     n_heads_q: int, n_heads_k: int, block_lanes: int, pass_lanes: int
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per rotation tile (`block_lanes` wide); 4 warps
-    when a wider tile (a row tile, or the pass-through copy `pass_lanes` of Qwen3.5: 192 of 256 lanes) needs them."""
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per program's widest tile, the rotation tile
+    (`block_lanes` wide) or the pass-through copy (`pass_lanes`: 256 for Qwen3.5's 192 lanes), never under one token;
+    2 warps up to twice that, 4 above. The H200 sweep of 2026-12-02 (docs/benchmarks.md, sixteenth session): ViT
+    16x72's row tile (2048 elements) is 15% faster on 2 warps than on 4, and Qwen3.5's one-token tile with its
+    4096-element copy 9% faster than the two-token tile it had."""
     block_hq = min(triton.next_power_of_2(n_heads_q), _MAX_HEADS_PER_TILE)
     block_hk = min(triton.next_power_of_2(n_heads_k), _MAX_HEADS_PER_TILE)
-    block_t = max(1, _TILE_ELEMENTS // (block_hq * block_lanes))
+    block_t = max(1, _TILE_ELEMENTS // (block_hq * max(block_lanes, pass_lanes)))
     widest_tile = block_t * block_hq * max(block_lanes, pass_lanes)
-    return block_t, block_hq, block_hk, 2 if widest_tile <= _TILE_ELEMENTS else 4
+    return block_t, block_hq, block_hk, 2 if widest_tile <= 2 * _TILE_ELEMENTS else 4
 
 
 def _batch_seq_head_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
