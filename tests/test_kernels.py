@@ -417,6 +417,37 @@ def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
     assert any(kind.endswith(".b16") for kind in accesses["unaligned split"]), accesses["unaligned split"]
 
 
+# The anchor cases of scripts/bench_mrope.py at 16k packed tokens, and the (tokens per program, warps, tile kind) the
+# H200 sweep of 2026-12-02 found fastest for each (docs/benchmarks.md, "Sixteenth session"): one token per program,
+# 2 warps, except Qwen3.5's 4 warps for its 16 x 256-lane pass-through copy.
+SWEEP_BEST = [
+    ("qwen2.5-vl text 28/4x128", 28, 4, 128, 128, triton_rope.LAYOUT_CHUNKED, (1, 2, triton_rope.TILE_HALVES)),
+    ("qwen3-vl text 32/8x128", 32, 8, 128, 128, triton_rope.LAYOUT_INTERLEAVED, (1, 2, triton_rope.TILE_HALVES)),
+    ("qwen3.5 text 24/4x256 rot64", 24, 4, 256, 64, triton_rope.LAYOUT_INTERLEAVED, (1, 4, triton_rope.TILE_HALVES)),
+    ("vit 16x80", 16, 16, 80, 80, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_HALVES)),
+    ("vit 16x72", 16, 16, 72, 72, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_ROWS)),
+]
+
+
+@pytest.mark.parametrize(("heads_q", "heads_k", "head_dim", "rotary_dim", "layout", "best"),
+                         [case[1:] for case in SWEEP_BEST], ids=[case[0] for case in SWEEP_BEST])  # fmt: skip
+def test_default_launch_configs_are_the_h200_sweeps_best(heads_q, heads_k, head_dim, rotary_dim, layout, best):
+    """The launch heuristics pick, for each anchor case, the config its GPU sweep measured fastest: a change to
+    `default_launch_config` or `default_tile` that moves one needs a new sweep (`bench_mrope --sweep`)."""
+    n_tokens = 16384
+    q_shape, k_shape = (n_tokens, heads_q, head_dim), (n_tokens, heads_k, head_dim)
+    q_strides, k_strides = (heads_q * head_dim, head_dim, 1), (heads_k * head_dim, head_dim, 1)
+    position_strides = (1, 2) if layout == triton_rope.LAYOUT_VISION else (n_tokens, 1)
+    lanes = rotary_dim // 4 if layout == triton_rope.LAYOUT_VISION else rotary_dim // 2
+    sections = (0, 0, 0) if layout == triton_rope.LAYOUT_VISION else (lanes // 3, lanes // 3, lanes - 2 * (lanes // 3))
+    dtypes = (torch.bfloat16,) * 4 + (torch.int64, torch.float32)
+    plan = triton_rope.launch_plan(
+        q_shape, q_strides, k_shape, k_strides, q_strides, k_strides, position_strides, dtypes, lanes, layout,
+        sections, False,
+    )  # fmt: skip
+    assert (plan.constexprs["BLOCK_T"], plan.num_warps, plan.constexprs["TILE"]) == best
+
+
 def test_cached_launch_plans_and_checks_follow_the_signature():
     """Launch plans and validation verdicts are cached per (shape, strides, dtype, device) signature: calls that
     share a shape but not strides or dtype each get their own plan and match the reference, and a rejected input
