@@ -513,12 +513,15 @@ def build_data(
     world_size: int = 1,
     grad_accum_steps: int = 1,
     shard: Callable[[dict], dict] | None = None,
+    plan: Callable[[dict], dict] | None = None,
 ):
     """(train_loader, eval_loader, stats) for the recipe's `data` and `packing` sections.
 
     `rank` / `world_size` are data-parallel. `shard` (context parallelism, packed mode): applied to every
     collated batch, e.g. this rank's share of the pack (training/context_parallel.py's `shard_pack`); every rank
-    of a context group passes the group's data-parallel rank, so all of them get the same packs.
+    of a context group passes the group's data-parallel rank, so all of them get the same packs. `plan`: applied
+    to every collated batch next (after `shard`), in the loader workers, e.g. the vision tower's host plans
+    (training/vision_plan.py's `VisionPlanner.add_host_plans`), so the training step does not compute them.
 
     train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
     padded, docs/architecture.md), each epoch a whole number of optimizer steps of `grad_accum_steps`
@@ -561,6 +564,8 @@ def build_data(
         if packing_cfg.mode != "packed":
             raise ConfigError("a batch shard (context parallelism) needs packing.mode=packed.")
         collate = functools.partial(_collate_then, collate, shard)
+    if plan is not None:
+        collate = functools.partial(_collate_then, collate, plan)
     common = {"fetch": fetch, "collate": collate, "packing_cfg": packing_cfg, "rank": rank, "world_size": world_size}
     # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
     num_workers = 0 if data_cfg.streaming else data_cfg.num_workers

@@ -16,6 +16,15 @@ STALL_WARN_S = 60.0
 or stalled data loader shows in the log instead of as a silent pause (the step itself never waits on data)."""
 
 
+def pinned(value):
+    """`value` with every tensor in it, through nested dicts (a batch's vision plans), in pinned host memory."""
+    if isinstance(value, torch.Tensor):
+        return value.pin_memory()
+    if isinstance(value, dict):
+        return {key: pinned(item) for key, item in value.items()}
+    return value
+
+
 class Prefetcher:
     """Collates the next batches in a background thread, so the host's image processing overlaps the GPU's work
     (the step itself never syncs, but the launch queue is only so deep).
@@ -47,7 +56,7 @@ class Prefetcher:
             while not self._stop.is_set():
                 for batch in self.loader:
                     if self.pin:
-                        batch = {k: v.pin_memory() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+                        batch = pinned(batch)
                     if not self._put((batch, self.loader.state_dict(), None)):
                         return
         except Exception as error:  # handed to the training thread, which raises it

@@ -22,7 +22,9 @@
 #                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
 #                                                       ViT blocks' layer norms go to aten as well),
 #                                                       profile-3b-eager-reductions (scripts/profile_step.py on
-#                                                       bf16-compiled with =none and with =all: where all's 4.9% goes)
+#                                                       bf16-compiled with =none and with =all: where all's 4.9% goes;
+#                                                       EAGER_REDUCTIONS="none" profiles one), levers-3b-compiled
+#                                                       (bf16-compiled alone: this machine's step time beside a profile)
 #   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 REPORT_TO=wandb \
 #     bash scripts/gpu_rope_suite.sh ...
 #   (the defaults; REPORT_TO=none skips the offline wandb runs, a few seconds per run)
@@ -120,11 +122,12 @@ for stage in $STAGES; do
       --steps 30 --no-resume --launch-timeout 400 data.num_samples=4000 data.num_workers=8 train.compile=true ;;
     levers-3b-eager-reductions) compare levers_3b_eager_reductions bench-qwen2_5_vl-3b-shape \
       bf16-compiled,bf16-compiled-eager-reductions ;;
+    levers-3b-compiled) compare levers_3b_compiled bench-qwen2_5_vl-3b-shape bf16-compiled ;;
     levers-3b-eager-mean) compare levers_3b_eager_mean bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
     curve-3b-eager-mean) curve_eager_reductions mean ;;
-    profile-3b-eager-reductions) for which in none all; do
+    profile-3b-eager-reductions) for which in ${EAGER_REDUCTIONS:-none all}; do
         step "profile_3b_eager_$which" 300 $PY -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
           --steps 3 --warmup 5 --top 40 --out "$OUT/profile_3b_eager_$which" logging.report_to=none \
           checkpoint.export=false train.master_weights=optimizer train.compile=true \
@@ -135,7 +138,7 @@ for stage in $STAGES; do
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
-      "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions)"; exit 2 ;;
+      "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

@@ -26,6 +26,7 @@ cross-entropy) runs as GEMMs, under `matmul`, and generic exp/max/sum kernels, u
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import math
 import re
@@ -157,14 +158,19 @@ def host_ranges(prof: profile, prefix: str) -> list[tuple[str, float, float]]:
     return sorted(ranges, key=lambda r: r[1])
 
 
-def idle_by_phase(
-    events: list[DeviceEvent], phases: list[tuple[str, float, float]], window: tuple[float, float], steps: int
-) -> list[dict]:
-    """Where the GPU sat idle: every gap in the union of `events` inside `window` (the profiled steps), charged to
-    the step phase (training/step.py's PHASE annotations) that the host was in at the gap's midpoint, the innermost
-    one when they nest; gaps outside every phase are "between phases". The host's phase while the GPU waits is what
-    held it up: a loader that is late (data_wait), Python that launches slower than the GPU runs, or the relaunch
-    after a host sync. Returns [{phase, idle_ms_per_step, gaps_per_step}], most idle first."""
+def host_ops(prof: profile) -> list[tuple[str, float, float]]:
+    """(name, start_us, end_us) of every host event but the step annotations (aten ops, CUDA runtime calls, the
+    step phases), by start."""
+    ops = [
+        (event.name, event.time_range.start, event.time_range.end)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CPU and not event.name.startswith(STEP_ANNOTATION)
+    ]
+    return sorted(ops, key=lambda r: r[1])
+
+
+def idle_gaps(events: list[DeviceEvent], window: tuple[float, float]) -> list[tuple[float, float]]:
+    """(start_us, end_us) of every gap in the union of `events` inside `window`: when the device ran nothing."""
     start, end = window
     gaps, covered_until = [], start
     for event in sorted(events, key=lambda e: e.start_us):
@@ -173,21 +179,61 @@ def idle_by_phase(
         covered_until = max(covered_until, event.end_us)
     if covered_until < end:
         gaps.append((covered_until, end))
-    per_phase: dict[str, list[float]] = {}
-    for gap_start, gap_end in gaps:
-        if gap_end <= gap_start:
-            continue
+    return [(gap_start, gap_end) for gap_start, gap_end in gaps if gap_end > gap_start]
+
+
+def charge_gaps(
+    gaps: list[tuple[float, float]], ranges: list[tuple[str, float, float]], steps: int, outside: str
+) -> list[dict]:
+    """Each gap charged to the innermost of the host `ranges` ((name, start_us, end_us), sorted by start) that holds
+    its midpoint (nested ranges: the one that started last), or to `outside` when none does.
+    Returns [{name, idle_ms_per_step, gaps_per_step}], most idle first."""
+    # A sweep over the gaps in midpoint order: `open_ranges` is a heap of the ranges begun so far, latest start on
+    # top; one that ended before a midpoint has ended before every later one too, so it is dropped for good.
+    per_name: dict[str, list[float]] = {}
+    open_ranges: list[tuple[float, float, str]] = []
+    begun = 0
+    for gap_start, gap_end in sorted(gaps, key=lambda gap: gap[0] + gap[1]):
         middle = (gap_start + gap_end) / 2
-        inside = [name for name, s, e in phases if s <= middle <= e]
-        phase = inside[-1].removeprefix(PHASE) if inside else "between phases"
-        idle_and_count = per_phase.setdefault(phase, [0.0, 0])
+        while begun < len(ranges) and ranges[begun][1] <= middle:
+            name, start, end = ranges[begun]
+            heapq.heappush(open_ranges, (-start, end, name))
+            begun += 1
+        while open_ranges and open_ranges[0][1] < middle:
+            heapq.heappop(open_ranges)
+        name = open_ranges[0][2] if open_ranges else outside
+        idle_and_count = per_name.setdefault(name, [0.0, 0])
         idle_and_count[0] += gap_end - gap_start
         idle_and_count[1] += 1
     rows = [
-        {"phase": phase, "idle_ms_per_step": us / 1e3 / steps, "gaps_per_step": count / steps}
-        for phase, (us, count) in per_phase.items()
+        {"name": name, "idle_ms_per_step": us / 1e3 / steps, "gaps_per_step": count / steps}
+        for name, (us, count) in per_name.items()
     ]
     return sorted(rows, key=lambda row: row["idle_ms_per_step"], reverse=True)
+
+
+def idle_by_phase(
+    events: list[DeviceEvent], phases: list[tuple[str, float, float]], window: tuple[float, float], steps: int
+) -> list[dict]:
+    """Where the GPU sat idle: every gap in the union of `events` inside `window` (the profiled steps), charged to
+    the step phase (training/step.py's PHASE annotations) that the host was in at the gap's midpoint, the innermost
+    one when they nest; gaps outside every phase are "between phases". The host's phase while the GPU waits is what
+    held it up: a loader that is late (data_wait), Python that launches slower than the GPU runs, or the relaunch
+    after a host sync. Returns [{phase, idle_ms_per_step, gaps_per_step}], most idle first."""
+    rows = charge_gaps(idle_gaps(events, window), phases, steps, outside=PHASE + "between phases")
+    return [{"phase": row.pop("name").removeprefix(PHASE), **row} for row in rows]
+
+
+def idle_by_host_op(
+    events: list[DeviceEvent], host_ops: list[tuple[str, float, float]], window: tuple[float, float], steps: int
+) -> list[dict]:
+    """What the host was doing while the GPU sat idle: each gap charged to the innermost host op or annotation
+    (`host_ops`: aten ops, CUDA runtime calls, step phases; sorted by start) running at its midpoint. A sync shows
+    up as the runtime call that waits (cudaStreamSynchronize, cudaMemcpy, cudaHostAlloc ...), Python that launches
+    too slowly as the phase or the op that runs it. Returns [{op, idle_ms_per_step, gaps_per_step}], most idle
+    first."""
+    rows = charge_gaps(idle_gaps(events, window), host_ops, steps, outside="(no host op)")
+    return [{"op": row.pop("name"), **row} for row in rows]
 
 
 def summarize(events: list[DeviceEvent], steps: int, wall_s: float, top: int) -> dict:
@@ -283,6 +329,18 @@ def render(report: dict) -> str:
             "|---|---:|---:|",
             *(f"| {r['phase']} | {r['idle_ms_per_step']:.2f} | {r['gaps_per_step']:.1f} |" for r in report["idle"]),
         ]
+    if report.get("idle_host_ops"):
+        lines += [
+            "",
+            "## GPU idle time by the host op running at each gap's midpoint (innermost)",
+            "",
+            "| host op | idle ms/step | gaps/step |",
+            "|---|---:|---:|",
+            *(
+                f"| {_short(r['op'])} | {r['idle_ms_per_step']:.2f} | {r['gaps_per_step']:.1f} |"
+                for r in report["idle_host_ops"]
+            ),
+        ]
     return "\n".join(lines) + "\n"
 
 
@@ -332,6 +390,7 @@ def main(argv: list[str] | None = None) -> dict:
         **summarize(events, args.steps, wall_s, args.top),
         # without CUDA the "device" is the host itself: it is never idle waiting for itself
         "idle": idle_by_phase(events, host_ranges(prof, PHASE), window, args.steps) if on_cuda else [],
+        "idle_host_ops": idle_by_host_op(events, host_ops(prof), window, args.steps)[: args.top] if on_cuda else [],
     }
     table = render(report)
     (out_dir / "profile.md").write_text(table)

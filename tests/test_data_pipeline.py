@@ -24,6 +24,7 @@ from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
 from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
+from training import vision_plan
 from training.config import load_config
 from training.modeling import build_model
 from verification.packing_check import sample_position_ids, samples_from_batch
@@ -411,6 +412,39 @@ def test_worker_processes_give_the_same_batches(cache):
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
         assert a["max_seqlen"] == b["max_seqlen"] and a["sample_lengths"] == b["sample_lengths"]
     assert inline.state_dict() == workers.state_dict()
+
+
+def test_loader_workers_plan_the_vision_grids(cache, monkeypatch):
+    """With a `plan` hook (train.py's: the tower's VisionPlanner) every batch collated in the DataLoader workers
+    carries its grids' host plans, which the step takes as they are (it plans nothing itself) and which equal what
+    it would have planned from the grids."""
+    cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=512", "data.num_workers=2")
+    visual = build_model(cfg.model).model.visual
+    processor = load_processor(cfg.model, cfg.data)
+    loader, _, _ = build_data(
+        cfg.data, cfg.packing, processor, hf_config(cfg.model), plan=vision_plan.VisionPlanner(visual).add_host_plans
+    )
+    batches = [batch for _, batch in zip(range(4), loader, strict=False)]
+    assert any(batch.get("image_grid_thw") is not None for batch in batches)
+    plans = vision_plan.VisionPlans(visual)
+    planned_here: list = []
+    plan_kwargs = vision_plan.plan_kwargs
+    monkeypatch.setattr(
+        vision_plan,
+        "plan_kwargs",
+        lambda tower, grid, device: planned_here.append(grid) or plan_kwargs(tower, grid, device),
+    )
+    for batch in batches:
+        assert batch[vision_plan.HOST_PLANS].keys() == {k for k in vision_plan.GRID_KEYS if batch.get(k) is not None}
+        inputs = {key: batch[key] for key in vision_plan.GRID_KEYS if batch.get(key) is not None}
+        plans.prepare_batch(inputs, vision_plan.host_grids(batch), batch[vision_plan.HOST_PLANS])
+        assert planned_here == [], "the step planned a grid the workers had planned"
+        for grid in inputs.values():
+            expected = plan_kwargs(visual, grid, "cpu")
+            got = plans._plans[id(grid)].kwargs
+            assert got.keys() == expected.keys()
+            for name, value in expected.items():
+                assert torch.equal(got[name], value) if isinstance(value, torch.Tensor) else got[name] == value, name
 
 
 def test_eval_loader_is_one_pass_over_held_out_samples(cache):

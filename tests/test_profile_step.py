@@ -4,6 +4,7 @@ and the kernel-name categorisation and busy-time arithmetic on hand-made names a
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 from accelerate.state import AcceleratorState
@@ -109,3 +110,48 @@ def test_idle_gaps_are_charged_to_the_host_phase_at_their_midpoint():
     assert idle == {"data_wait": 10, "vision_dummies": 20, "between phases": 40}
     assert rows[0]["phase"] == "between phases" and rows[0]["gaps_per_step"] == 1.0
     assert profile_step.idle_by_phase([event("a", 0, 10, 10)], [], window=(0, 10), steps=1) == []
+
+
+def test_idle_gaps_are_charged_to_the_innermost_host_op_at_their_midpoint():
+    """What the host ran while the GPU waited: the op or annotation that started last among those holding the gap's
+    midpoint (a runtime call inside an aten op inside a phase: the runtime call), across threads' overlapping ops;
+    a gap outside every op is "(no host op)"."""
+    event = profile_step.DeviceEvent
+    events = [event("k1", 0, 10, 10), event("k2", 30, 40, 10), event("k3", 60, 70, 10), event("k4", 95, 100, 10)]
+    host = [
+        ("phase/vision_plan", 5, 45),
+        ("aten::pin_memory", 12, 28),
+        ("cudaHostAlloc", 15, 25),  # gap 10-30, mid 20
+        ("phase/model_forward", 45, 90),
+        ("aten::copy_", 46, 49),  # begun later than the phase but ended before the gap's midpoint (50)
+        ("autograd thread op", 50, 58),  # another thread's op, begun after the phase: the innermost at 55
+    ]
+    rows = profile_step.idle_by_host_op(events, host, window=(0, 100), steps=1)
+    idle = {row["op"]: row["idle_ms_per_step"] * 1e3 for row in rows}
+    # gaps: 10-30 (mid 20), 40-60 (mid 50: "autograd thread op" began at 50), 70-95 (mid 82.5: model_forward)
+    assert idle == {"cudaHostAlloc": 20, "autograd thread op": 20, "phase/model_forward": 25}
+    rows = profile_step.idle_by_host_op([event("k", 0, 10, 10)], [("op", 0, 5)], window=(0, 20), steps=1)
+    assert rows == [{"op": "(no host op)", "idle_ms_per_step": 0.01, "gaps_per_step": 1.0}]
+
+
+def test_the_gap_sweep_finds_what_a_search_of_every_range_finds():
+    """charge_gaps' sweep (each range pushed and dropped once) equals the plain definition: the range with the
+    latest start among those holding the midpoint, on random overlapping ranges."""
+    rng = random.Random(0)
+    ranges = sorted(
+        (
+            (f"op{i}", start, start + rng.uniform(0, 30))
+            for i, start in enumerate(rng.uniform(0, 200) for _ in range(300))
+        ),
+        key=lambda r: r[1],
+    )
+    gaps = sorted((start, start + rng.uniform(0.1, 5)) for start in (rng.uniform(0, 230) for _ in range(200)))
+    expected: dict[str, float] = {}
+    for gap_start, gap_end in gaps:
+        middle = (gap_start + gap_end) / 2
+        holding = [r for r in ranges if r[1] <= middle <= r[2]]
+        name = max(holding, key=lambda r: r[1])[0] if holding else "none"
+        expected[name] = expected.get(name, 0.0) + gap_end - gap_start
+    rows = profile_step.charge_gaps(gaps, ranges, steps=1, outside="none")
+    assert {row["name"]: row["idle_ms_per_step"] * 1e3 for row in rows} == pytest.approx(expected)
+    assert len(expected) > 20

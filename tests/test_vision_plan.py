@@ -1,6 +1,7 @@
 """Vision plans (training/vision_plan.py): the tower's grid metadata computed on the host equals what transformers
 derives from the grid, is what the tower uses, changes no loss or gradient, and leaves unplanned calls alone."""
 
+import pickle
 import sys
 
 import pytest
@@ -195,3 +196,81 @@ def test_calls_without_a_plan_are_untouched(tiny_model, tiny_samples):
 def test_unknown_tower_is_refused():
     with pytest.raises(ValueError, match="no vision plan for Linear"):
         vision_plan.VisionPlans(nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("pack", PACKS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_worker_plans_are_the_steps_own(tiny_model, tiny_samples, family, pack):
+    """A planner that went through pickling (what a DataLoader worker runs) plans a batch's grids as the step
+    would: for every grid, its rows, the tower's attention implementation and the same kwargs (keys, dtypes,
+    values, ints) as `plan_kwargs`, with its tensors left on the host."""
+    model = packed_model(tiny_model, family)
+    visual = model.model.visual
+    batch = pack_samples(model, tiny_samples(model, PACKS[pack], seed=1))
+    planner = pickle.loads(pickle.dumps(vision_plan.VisionPlanner(visual)))
+    plans = planner.add_host_plans(batch)[vision_plan.HOST_PLANS]
+    assert plans.keys() == {key for key in vision_plan.GRID_KEYS if batch.get(key) is not None}
+    for key, plan in plans.items():
+        assert plan["rows"] == vision_plan.host_grids(batch)[key]
+        assert plan["attn"] == visual.config._attn_implementation
+        expected = vision_plan.plan_kwargs(visual, batch[key], "cpu")
+        assert plan["kwargs"].keys() == expected.keys()
+        for name, value in expected.items():
+            got = plan["kwargs"][name]
+            if isinstance(value, torch.Tensor):
+                assert got.device.type == "cpu" and got.dtype == value.dtype and torch.equal(got, value), name
+            else:
+                assert type(got) is int and got == value, name
+
+
+def test_the_step_takes_the_worker_plans(tiny_model, tiny_samples, monkeypatch):
+    """A batch that carries its loader workers' plans trains exactly as one the step plans itself (loss and
+    gradients bit for bit), the tower gets the plans, and the step's host plans nothing."""
+    model = packed_model(tiny_model, "qwen2_5_vl")
+    module = step.TrainModule(model)
+    batch = pack_samples(model, tiny_samples(model, VIDEO_PACK, seed=2))
+    loss_ref, grads_ref = grads_of(module, step.to_device(batch, torch.device("cpu")))  # plans the dummy too
+
+    planned_here: list = []
+    plan_kwargs = vision_plan.plan_kwargs
+    monkeypatch.setattr(
+        vision_plan,
+        "plan_kwargs",
+        lambda visual, grid, device: planned_here.append(grid) or plan_kwargs(visual, grid, device),
+    )
+    seen: list[set] = []
+    model.model.visual.register_forward_pre_hook(lambda _, args, kw: seen.append(set(kw)), with_kwargs=True)
+    worker_batch = vision_plan.VisionPlanner(model.model.visual).add_host_plans(batch)
+    loss, grads = grads_of(module, step.to_device(worker_batch, torch.device("cpu")))
+    assert planned_here == []
+    assert len(seen) == 2 and all({"position_ids", "cu_seqlens", "window_index"} <= keys for keys in seen)
+    assert torch.equal(loss, loss_ref)
+    assert grads.keys() == grads_ref.keys()
+    for name, grad in grads_ref.items():
+        assert torch.equal(grads[name], grad), name
+
+
+@pytest.mark.parametrize("stale", ["attn", "rows"])
+def test_a_stale_worker_plan_is_planned_again(tiny_model, tiny_samples, monkeypatch, caplog, stale):
+    """A worker plan made for another attention implementation (its max seqlens would be wrong) or for other
+    rows than the grid the step sees is not used: the step plans that grid itself, and says so once."""
+    model = packed_model(tiny_model, "qwen3_vl")
+    module = step.TrainModule(model)
+    batch = pack_samples(model, tiny_samples(model, IMAGE_PACK, seed=4))
+    worker_batch = vision_plan.VisionPlanner(model.model.visual).add_host_plans(batch)
+    plan = worker_batch[vision_plan.HOST_PLANS]["image_grid_thw"]
+    if stale == "attn":
+        plan["attn"] = "flash_attention_2"
+    else:
+        plan["rows"] = ((1, 2, 2), *plan["rows"][1:])
+    planned_here: list = []
+    plan_kwargs = vision_plan.plan_kwargs
+    monkeypatch.setattr(
+        vision_plan,
+        "plan_kwargs",
+        lambda visual, grid, device: planned_here.append(grid.tolist()) or plan_kwargs(visual, grid, device),
+    )
+    module(step.to_device(worker_batch, torch.device("cpu")))
+    module(step.to_device(worker_batch, torch.device("cpu")))
+    assert [rows for rows in planned_here if len(rows) > 1] == [batch["image_grid_thw"].tolist()] * 2
+    assert sum("loader workers' vision plan" in record.getMessage() for record in caplog.records) == 1

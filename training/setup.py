@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import context_parallel, distributed, master_weights, metrics, optim, parts, step
+from training import context_parallel, distributed, master_weights, metrics, optim, parts, step, vision_plan
 from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
@@ -142,6 +142,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         cp.data_size,
         cfg.train.grad_accum_steps,
         shard=cp_shard,
+        # the loader workers plan the vision tower's grids (a context-parallel pack's vision runs elsewhere)
+        plan=vision_plan.VisionPlanner(model.model.visual).add_host_plans if cp_shard is None else None,
     )
 
     flop_profile = metrics.FlopProfile.from_model(model)

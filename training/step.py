@@ -124,7 +124,9 @@ class TrainModule(nn.Module):
                 for _ in range(self.dummy_vision_calls(batch))
             ]
         with record_function(PHASE + "vision_plan"):
-            inputs = self.vision_plans.prepare_batch(self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS))
+            inputs = self.vision_plans.prepare_batch(
+                self.model_inputs(batch), batch.get(vision_plan.HOST_GRIDS), batch.get(vision_plan.HOST_PLANS)
+            )
         with record_function(PHASE + "model_forward"):
             hidden = self.model.model(**inputs, use_cache=False).last_hidden_state
         self.vision_plans.clear()
@@ -140,6 +142,8 @@ def to_device(batch: dict, device: torch.device) -> dict:
     pinned memory (the Prefetcher pins on CUDA), so the host never waits for the copy. The vision grids are also
     kept as host ints (`vision_plan.HOST_GRIDS`), for TrainModule's vision plans."""
     out = {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if vision_plan.HOST_PLANS in batch:  # the loader workers' vision plans (their rows and ints stay on the host)
+        out[vision_plan.HOST_PLANS] = vision_plan.host_plans_to(batch[vision_plan.HOST_PLANS], device)
     return {**out, vision_plan.HOST_GRIDS: vision_plan.host_grids(batch)}
 
 
