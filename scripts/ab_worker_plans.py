@@ -1,15 +1,15 @@
-"""What planning the vision tower's grids in the loader workers saves, timed in one process.
+"""What planning the vision tower's grids in the loader workers saves, timed by train.py itself in one run.
 
-    python -m scripts.ab_worker_plans --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--rounds 4] \
+    python -m scripts.ab_worker_plans --config recipes/bench-qwen2_5_vl-3b-shape.yaml --out DIR [--rounds 2] \
         [--block 5] [--warmup 5] [dotted.key=value ...]
 
-train.py's steps (training/setup.py's build_training, training/loop.py's Steps) in blocks of `--block` optimizer
-steps, the device synchronised before and after each block as train.py's log intervals do. Each round runs one
-block whose batches carry the loader workers' vision plans (`vision_host_plans`, what train.py does) and one whose
-batches have them taken out, so the step plans its grids itself (what it did before); the order alternates (ABBA),
-so neither mode always follows the other. One process, one model, one compile: the difference between the modes is
-the planning alone, not another machine or another launch. Prints ms per step per block and each mode's median, and
-writes them as JSON with `--out`.
+One train.py run (its loop, metrics and log syncs) of `warmup + rounds · 2 · block` optimizer steps, logging every
+`block` steps, so each log interval is one block. After the warm-up, each round runs one block whose batches carry
+the loader workers' vision plans (`vision_host_plans`: what train.py does) and one whose batches have them taken
+out, so the step plans its grids itself (what it did before); the order alternates (ABBA), so neither mode always
+follows the other. One process, one model, one compile: the difference between the modes is the planning alone,
+not another machine or another launch. Reads each interval's step time from the run's metrics.jsonl; prints them
+and each mode's median, and writes them to DIR/ab.json.
 """
 
 from __future__ import annotations
@@ -17,16 +17,21 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from pathlib import Path
 
-import torch
-
+import train
 from training import loop, vision_plan
-from training.config import load_config
-from training.setup import build_accelerator, build_training
 
 MODES = ("worker plans", "step plans")
+
+
+def block_mode(step: int, warmup: int, block: int) -> str | None:
+    """The mode of optimizer step `step` (1-based): None in the warm-up, then blocks of `block` steps in ABBA order."""
+    if step <= warmup:
+        return None
+    index = (step - warmup - 1) // block
+    order = MODES if (index // 2) % 2 == 0 else MODES[::-1]
+    return order[index % 2]
 
 
 class PlanToggle:
@@ -49,69 +54,76 @@ class PlanToggle:
         self.batches.close()
 
 
+def toggling_steps(warmup: int, block: int) -> type[loop.Steps]:
+    """loop.Steps whose batches lose their worker plans in the "step plans" blocks."""
+
+    class ToggledSteps(loop.Steps):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.batches = PlanToggle(self.batches)
+            self.step = 0
+
+        def run(self) -> loop.StepResult:
+            self.step += 1
+            self.batches.drop = block_mode(self.step, warmup, block) == "step plans"
+            return super().run()
+
+    return ToggledSteps
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="recipe YAML")
-    parser.add_argument("--rounds", type=int, default=4, help="rounds of one block per mode")
-    parser.add_argument("--block", type=int, default=5, help="optimizer steps per block (train.py logs every 5)")
-    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile, allocator growth)")
-    parser.add_argument("--out", default=None, help="JSON file for the per-block times")
+    parser.add_argument("--out", required=True, help="run directory (train.output_dir); ab.json goes there")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds of one block per mode")
+    parser.add_argument("--block", type=int, default=5, help="optimizer steps per block = per log interval")
+    parser.add_argument("--warmup", type=int, default=5, help="steps before the first block (compile, allocator)")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-    if min(args.rounds, args.block) < 1 or args.warmup < 0:
-        parser.error("--rounds and --block must be at least 1, --warmup 0 or more")
+    if min(args.rounds, args.block) < 1 or args.warmup < 0 or args.warmup % args.block:
+        parser.error("--rounds and --block must be at least 1, --warmup a multiple of --block")
     return args
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
-    accelerator = build_accelerator(cfg)
-    setup = build_training(cfg, accelerator)
-    device = accelerator.device
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    steps = loop.Steps(accelerator, setup, cfg.train)
-    toggle = steps.batches = PlanToggle(steps.batches)
-    blocks: list[dict] = []
+    steps = args.warmup + 2 * args.rounds * args.block
+    overrides = [
+        *args.overrides,
+        f"train.max_steps={steps}",
+        f"logging.every_steps={args.block}",
+        f"logging.timing_warmup_steps={args.warmup}",
+        f"train.output_dir={args.out}",
+    ]
+    real_steps = loop.Steps
+    loop.Steps = toggling_steps(args.warmup, args.block)
     try:
-        for _ in range(args.warmup):
-            steps.run()
-        for round_index in range(args.rounds):
-            order = MODES if round_index % 2 == 0 else MODES[::-1]
-            for mode in order:
-                toggle.drop = mode == "step plans"
-                sync()
-                started = time.perf_counter()
-                for _ in range(args.block):
-                    steps.run()
-                sync()
-                blocks.append(
-                    {
-                        "round": round_index,
-                        "mode": mode,
-                        "ms_per_step": 1e3 * (time.perf_counter() - started) / args.block,
-                    }
-                )
-                print(f"[ab] round {round_index} {mode}: {blocks[-1]['ms_per_step']:.1f} ms/step", flush=True)
+        train.main(["--config", args.config, *overrides])
     finally:
-        steps.close()
-    medians = {mode: statistics.median(b["ms_per_step"] for b in blocks if b["mode"] == mode) for mode in MODES}
+        loop.Steps = real_steps
+    records = [json.loads(line) for line in (Path(args.out) / "metrics.jsonl").read_text().splitlines()]
+    blocks = [
+        {
+            "last_step": r["step"],
+            "mode": block_mode(r["step"], args.warmup, args.block),
+            "step_time_s": r["step_time_s"],
+        }
+        for r in records
+        if r.get("step_time_s") is not None and r["step"] > args.warmup
+    ]
+    medians = {mode: statistics.median(b["step_time_s"] for b in blocks if b["mode"] == mode) for mode in MODES}
     report = {
         "config": args.config,
         "overrides": args.overrides,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
         "block_steps": args.block,
         "blocks": blocks,
-        "median_ms_per_step": medians,
+        "median_step_time_s": medians,
         "step_plans_over_worker_plans": medians["step plans"] / medians["worker plans"],
     }
-    print(json.dumps({k: report[k] for k in ("median_ms_per_step", "step_plans_over_worker_plans")}, indent=2))
-    if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    for b in blocks:
+        print(f"[ab] steps to {b['last_step']} ({b['mode']}): {1e3 * b['step_time_s']:.1f} ms/step")
+    print(json.dumps({k: report[k] for k in ("median_step_time_s", "step_plans_over_worker_plans")}, indent=2))
+    (Path(args.out) / "ab.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
 
 

@@ -58,9 +58,12 @@ Variants (train.py overrides they set):
            (train.compile_eager_reductions=all): the norms add in eager's order, forward and backward
   bf16-compiled-eager-mean  bf16-compiled with inductor calling aten's mean and layer-norm kernels only
            (train.compile_eager_reductions=mean): the norms' forward adds in eager's order
+  bf16-compiled-eager-rows  bf16-compiled with inductor calling aten's kernels for the sums and means over each row
+           and the layer norms (train.compile_eager_reductions=rows): the norms' forward and input gradients add in
+           eager's order, the sums over tokens stay inductor's
   Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
   bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but the
-  last two train.compile_eager_reductions=none (the default).
+  last three train.compile_eager_reductions=none (the default).
 """
 
 from __future__ import annotations
@@ -124,6 +127,13 @@ VARIANT_OVERRIDES = {
         "packing.mode": "packed",
         **COMPILED,
         "train.compile_eager_reductions": "mean",
+        "train.master_weights": "optimizer",
+    },
+    "bf16-compiled-eager-rows": {
+        "kernels.mrope": "fused",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_eager_reductions": "rows",
         "train.master_weights": "optimizer",
     },
 }

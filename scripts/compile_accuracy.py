@@ -4,14 +4,15 @@
 
 One Qwen2 decoder layer (the text layer of Qwen2.5-VL: RMSNorm, GQA attention with biases, SwiGLU), fp32 parameters
 under bf16 autocast as `train.master_weights=module` trains it, forward and backward of a fixed random input and
-output gradient, run eight ways: eager; eager again; torch.compile with aot_eager (dynamo + AOTAutograd, no
+output gradient, run nine ways: eager; eager again; torch.compile with aot_eager (dynamo + AOTAutograd, no
 codegen); inductor with `emulate_precision_casts` (the repo's default, `train.compile_emulate_precision_casts`);
 inductor without it; inductor with it but the two RMSNorms left eager (a diagnostic: graph breaks, not how training
-compiles); inductor with it calling aten's mean kernel, and aten's sum and mean kernels
-(`train.compile_eager_reductions=mean` and `=all`). For each it prints the relative error (‖a − b‖ / ‖b‖) of the
-output and of every gradient against the same layer in float64, and against eager. A compiled layer "as accurate as
-eager" has float64 errors equal to eager's; its distance to eager is then another rounding of the same accuracy
-(docs/benchmarks.md, thirteenth session: what that rounding does to a 30-step curve).
+compiles); inductor with it calling aten's mean kernel, aten's kernels for the sums and means over each row, and
+aten's sum and mean kernels (`train.compile_eager_reductions=mean`, `=rows` and `=all`). For each it prints the
+relative error (‖a − b‖ / ‖b‖) of the output and of every gradient against the same layer in float64, and against
+eager. A compiled layer "as accurate as eager" has float64 errors equal to eager's; its distance to eager is then
+another rounding of the same accuracy (docs/benchmarks.md, thirteenth session: what that rounding does to a
+30-step curve).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from torch import nn
 from transformers import Qwen2Config
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
 
-from training.eager_reductions import LOWERED, lower_reductions_to_aten
+from training.eager_reductions import lower_setting
 
 Numbers = tuple[torch.Tensor, dict[str, torch.Tensor]]  # the output and every gradient (the input's as "input"), fp64
 
@@ -130,8 +131,12 @@ def main(argv: list[str] | None = None) -> None:
             layer, rope, inputs, out_grad, torch.float32, compiled("inductor", True, eager_norms=True)
         ),
     }
-    for which, name in (("mean", "aten's means"), ("all", "aten's sums and means")):
-        undo = lower_reductions_to_aten(LOWERED[which])
+    for which, name in (
+        ("mean", "aten's means"),
+        ("rows", "aten's row sums and means"),
+        ("all", "aten's sums and means"),
+    ):
+        undo = lower_setting(which)
         try:
             runs[f"inductor, emulated casts, {name}"] = layer_numbers(
                 layer, rope, inputs, out_grad, torch.float32, compiled("inductor", True)

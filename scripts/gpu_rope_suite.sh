@@ -19,6 +19,7 @@
 #                                                       (bf16-compiled with train.compile_eager_reductions=all: its
 #                                                       speed against bf16-compiled, its 30-step curve),
 #                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean),
+#                                                       levers-3b-eager-rows and curve-3b-eager-rows (=rows),
 #                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
 #                                                       ViT blocks' layer norms go to aten as well),
 #                                                       profile-3b-eager-reductions (scripts/profile_step.py on
@@ -124,9 +125,11 @@ for stage in $STAGES; do
       bf16-compiled,bf16-compiled-eager-reductions ;;
     levers-3b-compiled) compare levers_3b_compiled bench-qwen2_5_vl-3b-shape bf16-compiled ;;
     levers-3b-eager-mean) compare levers_3b_eager_mean bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-mean ;;
+    levers-3b-eager-rows) compare levers_3b_eager_rows bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-rows ;;
     levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
     curve-3b-eager-mean) curve_eager_reductions mean ;;
+    curve-3b-eager-rows) curve_eager_reductions rows ;;
     profile-3b-eager-reductions) for which in ${EAGER_REDUCTIONS:-none all}; do
         step "profile_3b_eager_$which" 300 $PY -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
           --steps 3 --warmup 5 --top 40 --out "$OUT/profile_3b_eager_$which" logging.report_to=none \
@@ -138,7 +141,8 @@ for stage in $STAGES; do
     *) echo "unknown stage $stage (tests bench compare-3b compare-8b compare-qwen3_5 levers-3b levers-8b"\
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
-      "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled)"; exit 2 ;;
+      "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled"\
+      "levers-3b-eager-rows curve-3b-eager-rows)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

@@ -253,19 +253,19 @@ def test_variant_selection_refuses_bad_requests():
 def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():
     """bf16-weights is the fused variant with train.master_weights=optimizer, bf16-compiled the compiled one (every
     other variant sets module, and a user override of the key is refused), bf16-compiled-fp32-fused that one with
-    inductor's fp32 intermediates, bf16-compiled-eager-reductions and -eager-mean with aten's reductions (all, or the
-    means only); they are left out under
+    inductor's fp32 intermediates, bf16-compiled-eager-reductions, -eager-mean and -eager-rows with aten's reductions
+    (all, the means only, or the row reductions); they are left out under
     --launcher (one process only); a tokens/s ratio and loss gap are named against fused."""
     bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
     on_bf16 = {n for n, v in compare.VARIANT_OVERRIDES.items() if v["train.master_weights"] == "optimizer"}
-    eager_variants = {"bf16-compiled-eager-reductions", "bf16-compiled-eager-mean"}
+    eager_variants = {"bf16-compiled-eager-reductions", "bf16-compiled-eager-mean", "bf16-compiled-eager-rows"}
     assert on_bf16 == {"bf16-weights", "bf16-compiled", "bf16-compiled-fp32-fused", *eager_variants}
     assert {v["train.master_weights"] for n, v in compare.VARIANT_OVERRIDES.items() if n not in on_bf16} == {"module"}
     assert "train.master_weights" in compare.RESERVED_KEYS
     kept, left_out = compare.select_variants(
         "fused,bf16-weights,unfused,bf16-compiled,bf16-compiled-fp32-fused,bf16-compiled-eager-reductions,"
-        "bf16-compiled-eager-mean",
+        "bf16-compiled-eager-mean,bf16-compiled-eager-rows",
         "qwen2_5_vl",
         "accelerate",
     )
@@ -278,6 +278,7 @@ def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live(
     eager_reductions = compare.VARIANT_OVERRIDES["bf16-compiled-eager-reductions"]
     assert eager_reductions == {**both, "train.compile_eager_reductions": "all"}
     assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-mean"] == {**both, "train.compile_eager_reductions": "mean"}
+    assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-rows"] == {**both, "train.compile_eager_reductions": "rows"}
     assert both["train.compile_emulate_precision_casts"] == "true" and both["train.compile_eager_reductions"] == "none"
     assert {"train.compile_emulate_precision_casts", "train.compile_eager_reductions"} <= compare.RESERVED_KEYS
     results = [

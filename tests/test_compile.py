@@ -31,7 +31,14 @@ from tests.test_distributed import WORKER_EXIT
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
-from training.eager_reductions import LOWERED, decomposition_tables, lower_reductions_to_aten, overloads
+from training.eager_reductions import (
+    LOWERED,
+    ROW_LOWERED,
+    decomposition_tables,
+    lower_setting,
+    overloads,
+    reduces_rows_only,
+)
 from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
 from training.run_files import read_metrics
 from verification.packing_check import SampleSpec, label_loss, pack_samples
@@ -329,6 +336,44 @@ def test_eager_reductions_last_until_uncompiled(tiny_model, which):
     assert not any(getattr(op, "_is_fallback_handler", False) for op in before.values())
 
 
+def test_rows_lowers_the_row_reductions_only_until_uncompiled(tiny_model):
+    """`rows` makes the layer norms fallbacks and gives sum.dim_IntList and mean.dim a lowering that sends a
+    reduction over the last dimension alone to aten (and leaves the rest to inductor's own); uncompile puts inductor's
+    lowerings back."""
+    from torch._inductor import lowering
+
+    row_ops = ROW_LOWERED["rows"]
+    before = {op: lowering.lowerings[op] for op in row_ops}
+    model = packed_model(tiny_model, "qwen2_5_vl")
+    report = regional.compile_blocks(model, backend="aot_eager", eager_reductions="rows")
+    assert "; row sums and means, and layer norms on aten's kernels" in str(report)
+    assert all(getattr(lowering.lowerings[op], "rows_to_aten", False) for op in row_ops)
+    assert all(lowering.lowerings[op]._is_fallback_handler for op in overloads(LOWERED["rows"]))
+    regional.uncompile_blocks(model)
+    assert {op: lowering.lowerings[op] for op in row_ops} == before
+
+
+@pytest.mark.parametrize(
+    ("dims", "rank", "rows_only"),
+    [
+        ([-1], 3, True),
+        ([2], 3, True),
+        (1, 2, True),
+        ([0], 2, False),
+        ([0, 1], 3, False),
+        ([1, 2], 3, False),
+        (None, 3, False),
+        ([], 2, False),
+        ([0], 1, True),
+    ],
+)
+def test_which_reductions_are_row_reductions(dims, rank, rows_only):
+    """A norm's mean of squares and its backward's sum over the hidden width reduce the last dimension alone; sums
+    over tokens (weight and bias gradients), over several dimensions or over everything do not (a 1-D tensor's one
+    dimension is its last)."""
+    assert reduces_rows_only(dims, rank) is rows_only
+
+
 def test_eager_reductions_take_the_recipe_keys_choices_only(tiny_model):
     """The recipe key offers exactly the settings compile_blocks knows ("none", the default, lowers nothing and
     keeps the caches); anything else is a clear error before any block is touched."""
@@ -589,8 +634,8 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     numbers are as far from float64 as eager's (another rounding, not a worse one), closer to eager's with the
     emulated casts that `train.compile_emulate_precision_casts` turns on than without, and equal to them once the
     RMSNorms stay eager or inductor calls aten's reductions; with aten's means alone, the forward equals eager's and
-    the gradients all but do. (At width 512 and 256 tokens: narrower, or fewer tokens, and inductor's CPU reductions
-    happen to add in eager's order.)"""
+    the gradients all but do; with aten's row reductions, all but the norm weights' do. (At width 512 and 256
+    tokens: narrower, or fewer tokens, and inductor's CPU reductions happen to add in eager's order.)"""
     layer, rope = compile_accuracy.build_layer(hidden=512)
     generator = torch.Generator().manual_seed(1)
     inputs, out_grad = torch.randn(2, 1, 256, 512, generator=generator).unbind()
@@ -618,8 +663,8 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
             layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True, eager_norms=True)
         )
         aten_reductions = {}
-        for which in ("mean", "all"):
-            undo = lower_reductions_to_aten(LOWERED[which])
+        for which in ("mean", "rows", "all"):
+            undo = lower_setting(which)
             try:
                 aten_reductions[which] = compile_accuracy.layer_numbers(
                     layer, rope, inputs, out_grad, torch.float32, compile_accuracy.compiled("inductor", True)
@@ -631,6 +676,15 @@ def test_a_compiled_decoder_layer_is_as_accurate_as_eager():
     # The backward's sums stay inductor's: a few last bits, 10x below the emulated casts' distance or less
     assert torch.equal(aten_reductions["mean"][0], eager[0])
     assert max(compile_accuracy.relative_errors(aten_reductions["mean"], eager)[1]) < 1e-5
+    # Row reductions on aten's kernels: the forward and the input's gradient (the norms' sums over the hidden width)
+    # are eager's, and so is every gradient but the norm weights' (sums over tokens, inductor's: last bits), where
+    # with aten's means alone the input's gradient was not
+    rows_out, rows_grads = aten_reductions["rows"]
+    norm_weights = {"input_layernorm.weight", "post_attention_layernorm.weight"}
+    assert torch.equal(rows_out, eager[0])
+    assert {name for name, grad in rows_grads.items() if not torch.equal(grad, eager[1][name])} <= norm_weights
+    assert not torch.equal(aten_reductions["mean"][1]["input"], eager[1]["input"])
+    assert max(compile_accuracy.relative_errors(aten_reductions["rows"], eager)[1]) < 1e-5
 
 
 @pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16])
@@ -662,21 +716,24 @@ def test_aten_reductions_make_a_compiled_layer_norm_eager(input_dtype):
     with torch._inductor.config.patch(emulate_precision_casts=True):
         for which in LOWERED:
             torch._dynamo.reset()
-            undo = lower_reductions_to_aten(LOWERED[which])
+            undo = lower_setting(which)
             try:
                 compiled[which] = numbers(torch.compile(norm_then_linear, backend="inductor"))
             finally:
                 undo()
     assert not torch.equal(compiled["none"][0], eager[0])
-    out, grads = compiled["mean"]
-    assert torch.equal(out, eager[0])
-    for grad, expected in zip(grads, eager[1]):
-        assert ((grad.float() - expected.float()).norm() / expected.float().norm()) < 1e-5
+    for which in ("mean", "rows"):
+        out, grads = compiled[which]
+        assert torch.equal(out, eager[0])
+        for grad, expected in zip(grads, eager[1]):
+            assert ((grad.float() - expected.float()).norm() / expected.float().norm()) < 1e-5
     out, grads = compiled["all"]
     assert torch.equal(out, eager[0]) and all(map(torch.equal, grads, eager[1]))
 
 
-@pytest.mark.parametrize(("family", "which"), [("qwen2_vl", "mean"), ("qwen2_vl", "all"), ("qwen3_5", "mean")])
+@pytest.mark.parametrize(
+    ("family", "which"), [("qwen2_vl", "mean"), ("qwen2_vl", "all"), ("qwen3_5", "mean"), ("qwen2_5_vl", "rows")]
+)
 def test_inductor_with_aten_reductions_trains_as_eager(tiny_model, tiny_samples, family, which):
     """The whole tiny model, every block compiled by inductor with `eager_reductions`, under bf16 autocast as
     training runs it: loss and every gradient finite and as close to eager's as bf16 allows. (CPU autocast hands

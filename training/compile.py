@@ -58,7 +58,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from training import gated_delta
-from training.eager_reductions import LOWERED, EagerReductions, lower_reductions_to_aten
+from training.eager_reductions import LOWERED, EagerReductions, lower_setting
 from training.packed import PACK_KWARG
 from training.parts import inner_model
 
@@ -74,7 +74,12 @@ _DISTINCT_SYMBOLS = torch.fx.experimental._config.patch(use_duck_shape=False)
 # add none), but it can exceed 8.
 RECOMPILE_LIMIT = 64
 # What the report says each eager_reductions setting leaves to aten's kernels
-_ATEN_REDUCTIONS = {"none": "", "mean": "means and layer norms", "all": "sums, means and layer norms"}
+_ATEN_REDUCTIONS = {
+    "none": "",
+    "mean": "means and layer norms",
+    "rows": "row sums and means, and layer norms",
+    "all": "sums, means and layer norms",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,9 +117,10 @@ def compile_blocks(
     fused kernel's intermediates to the dtype eager stores them in (bf16 under autocast), as eager does; off, it keeps
     them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
     decoder layer: scripts/compile_accuracy.py); on, it is about twice as close, at no measured cost
-    (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean" or "all" has inductor call aten's own kernels
-    for the norms' forward (means; layer norms whole) or for every sum, mean and layer norm instead of generating
-    reductions (training/eager_reductions.py), so the norms add in eager's order: with "all", a compiled decoder
+    (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean", "rows" or "all" has inductor call aten's own
+    kernels for the norms' forward (means; layer norms whole), for the sums and means over each row, or for every sum,
+    mean and layer norm instead of generating reductions (training/eager_reductions.py), so the norms add in eager's
+    order: with "all", a compiled decoder
     layer then equals eager bit for bit on the CPU, and the 3B shape's 30-step curve stays with eager's, at 5% of its
     speed. Each block's own forward is compiled and set as the block's `forward`, inside an eager gradient checkpoint
     when the block checkpoints (module docstring). Parameters, buffers and state-dict keys are unchanged. Raises
@@ -163,8 +169,7 @@ def compile_blocks(
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     # Read when a block compiles (its first forward), so it stays set until uncompile_blocks.
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
-    lowered = LOWERED[eager_reductions]
-    undo_eager_reductions = lower_reductions_to_aten(lowered) if lowered else None
+    undo_eager_reductions = None if eager_reductions == "none" else lower_setting(eager_reductions)
     report = CompileReport(
         tuple(fullgraph),
         tuple(with_mixer),

@@ -17,6 +17,11 @@ that lands next to a bf16 rounding boundary (the cast for the next matmul) a bf1
   the RMSNorms' backward sums stay inductor's, fused where they are computed. It cost 2.6% of the 3B shape's
   throughput on the H200, but its 30-step curve left eager's by 0.249 where eager's repeat stayed within 0.058
   ("Sixteenth session"): the backward's sums matter to the curve too.
+- "rows" (every sum and mean over the last dimension alone, and the layer norms): the RMSNorms' mean of squares
+  and, backward, their sums over the hidden width that make the input's gradient, as "all" has them; the sums over
+  tokens (the norm weights' and the ViT linears' bias gradients) stay inductor's. Half of "all"'s aten reduction
+  time on the 3B shape was those column sums of bf16 gradients ("Seventeenth session"), and they reach no
+  activation. Not yet measured on the GPU.
 
 The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into its own
 mean and variance reductions before any lowering is looked up: the layer norms' decompositions leave inductor's
@@ -45,13 +50,17 @@ import torch._inductor.config
 from torch._inductor import decomposition, lowering
 
 aten = torch.ops.aten
-EagerReductions = Literal["none", "mean", "all"]
-# What each `train.compile_eager_reductions` setting lowers to aten's kernels
+EagerReductions = Literal["none", "mean", "rows", "all"]
+# What each `train.compile_eager_reductions` setting lowers to aten's kernels, always
 LOWERED: dict[str, tuple[torch._ops.OpOverloadPacket, ...]] = {
     "none": (),
     "mean": (aten.mean, aten.native_layer_norm, aten.native_layer_norm_backward),
+    "rows": (aten.native_layer_norm, aten.native_layer_norm_backward),
     "all": (aten.sum, aten.mean, aten.native_layer_norm, aten.native_layer_norm_backward),
 }
+# ... and only where they reduce each row (the last dimension alone): a norm's mean of squares, and backward its sum
+# over the hidden width for the input's gradient; sums over tokens (weight and bias gradients) stay inductor's
+ROW_LOWERED: dict[str, tuple[torch._ops.OpOverload, ...]] = {"rows": (aten.sum.dim_IntList, aten.mean.dim)}
 _CACHES = ((torch._inductor.config, "fx_graph_cache"), (torch._functorch.config, "enable_autograd_cache"))
 
 
@@ -66,12 +75,20 @@ def decomposition_tables() -> tuple[dict, ...]:
     return decomposition.decompositions, decomposition.fast_random_decomps()
 
 
-def lower_reductions_to_aten(packets: Sequence[torch._ops.OpOverloadPacket] = LOWERED["all"]) -> Callable[[], None]:
+def lower_setting(which: EagerReductions) -> Callable[[], None]:
+    """`lower_reductions_to_aten` for a `train.compile_eager_reductions` setting; returns its undo."""
+    return lower_reductions_to_aten(LOWERED[which], ROW_LOWERED.get(which, ()))
+
+
+def lower_reductions_to_aten(
+    packets: Sequence[torch._ops.OpOverloadPacket] = LOWERED["all"], row_ops: Sequence[torch._ops.OpOverload] = ()
+) -> Callable[[], None]:
     """Make inductor call aten's kernels for `packets` (every overload; default LOWERED["all"]) instead of generating
     its own reductions: their decompositions leave inductor's tables and they become fallbacks, with its compile
-    caches off; returns the function that undoes all three. Call it before the graphs compile (blocks compile at their
-    first forward)."""
-    tracked = (*packets, *overloads(packets))
+    caches off; `row_ops` (overloads taking reduced dims) go to aten only where they reduce the last dimension alone,
+    elsewhere inductor lowers them as before. Returns the function that undoes all of it. Call it before the graphs
+    compile (blocks compile at their first forward)."""
+    tracked = (*packets, *overloads(packets), *row_ops)
     lowerings_before = {op: lowering.lowerings.get(op) for op in tracked}
     fallbacks_before = {op for op in tracked if op in lowering.fallbacks}
     realized_before = {op for op in tracked if op in lowering.needs_realized_inputs}
@@ -81,6 +98,8 @@ def lower_reductions_to_aten(packets: Sequence[torch._ops.OpOverloadPacket] = LO
     caches_before = [(config, name, getattr(config, name)) for config, name in _CACHES]
     for packet in packets:
         lowering.make_fallback(packet, warn=False, override_decomp=True)
+    for op in row_ops:
+        lowering.lowerings[op] = _rows_to_aten(op, lowering.lowerings[op])
     for config, name, _ in caches_before:
         setattr(config, name, False)
 
@@ -100,3 +119,23 @@ def lower_reductions_to_aten(packets: Sequence[torch._ops.OpOverloadPacket] = LO
             setattr(config, name, value)
 
     return undo
+
+
+def reduces_rows_only(dims, rank: int) -> bool:
+    """Whether reduced `dims` (an int, a list, or None = all) are the last of `rank` dimensions alone."""
+    dims = [dims] if isinstance(dims, int) else list(dims or [])
+    return rank > 0 and bool(dims) and {dim % rank for dim in dims} == {rank - 1}
+
+
+def _rows_to_aten(op: torch._ops.OpOverload, inductor_lowering: Callable) -> Callable:
+    """A lowering of `op` (x, dims, ...) that calls aten's kernel for a reduction over x's last dimension alone (aten
+    realizes its input) and inductor's own lowering otherwise."""
+    aten_kernel = lowering.fallback_handler(op, add_to_fallback_set=False)
+
+    def lower(x, dims=None, *args, **kwargs):
+        if reduces_rows_only(dims, len(x.get_size())):
+            return aten_kernel(x, dims, *args, **kwargs)
+        return inductor_lowering(x, dims, *args, **kwargs)
+
+    lower.rows_to_aten = True  # for tests: which lowering is in place
+    return lower
