@@ -83,3 +83,20 @@ def tiny_samples() -> Callable[..., list]:
     """`tiny_samples(model, specs, seed=0, device="cpu")` draws synthetic samples for a tiny model (see
     `_build_tiny_samples`)."""
     return _build_tiny_samples
+
+
+@pytest.fixture
+def step_plans(monkeypatch) -> list[torch.Tensor]:
+    """The grids planned on the training step's host (training/vision_plan.py's `plan_kwargs`), recorded as they
+    are planned, in order."""
+    from training import vision_plan
+
+    planned: list[torch.Tensor] = []
+    plan_kwargs = vision_plan.plan_kwargs
+
+    def recording(visual, grid, device):
+        planned.append(grid)
+        return plan_kwargs(visual, grid, device)
+
+    monkeypatch.setattr(vision_plan, "plan_kwargs", recording)
+    return planned

@@ -414,7 +414,7 @@ def test_worker_processes_give_the_same_batches(cache):
     assert inline.state_dict() == workers.state_dict()
 
 
-def test_loader_workers_plan_the_vision_grids(cache, monkeypatch):
+def test_loader_workers_plan_the_vision_grids(cache, step_plans):
     """With a `plan` hook (train.py's: the tower's VisionPlanner) every batch collated in the DataLoader workers
     carries its grids' host plans, which the step takes as they are (it plans nothing itself) and which equal what
     it would have planned from the grids."""
@@ -427,20 +427,15 @@ def test_loader_workers_plan_the_vision_grids(cache, monkeypatch):
     batches = [batch for _, batch in zip(range(4), loader, strict=False)]
     assert any(batch.get("image_grid_thw") is not None for batch in batches)
     plans = vision_plan.VisionPlans(visual)
-    planned_here: list = []
-    plan_kwargs = vision_plan.plan_kwargs
-    monkeypatch.setattr(
-        vision_plan,
-        "plan_kwargs",
-        lambda tower, grid, device: planned_here.append(grid) or plan_kwargs(tower, grid, device),
-    )
     for batch in batches:
-        assert batch[vision_plan.HOST_PLANS].keys() == {k for k in vision_plan.GRID_KEYS if batch.get(k) is not None}
+        assert batch.get(vision_plan.HOST_PLANS, {}).keys() == {
+            k for k in vision_plan.GRID_KEYS if batch.get(k) is not None
+        }
         inputs = {key: batch[key] for key in vision_plan.GRID_KEYS if batch.get(key) is not None}
-        plans.prepare_batch(inputs, vision_plan.host_grids(batch), batch[vision_plan.HOST_PLANS])
-        assert planned_here == [], "the step planned a grid the workers had planned"
+        plans.prepare_batch(inputs, vision_plan.host_grids(batch), batch.get(vision_plan.HOST_PLANS))
+        assert step_plans == [], "the step planned a grid the workers had planned"
         for grid in inputs.values():
-            expected = plan_kwargs(visual, grid, "cpu")
+            expected = vision_plan.VisionPlanner(visual).host_kwargs(grid)
             got = plans._plans[id(grid)].kwargs
             assert got.keys() == expected.keys()
             for name, value in expected.items():

@@ -223,26 +223,19 @@ def test_worker_plans_are_the_steps_own(tiny_model, tiny_samples, family, pack):
                 assert type(got) is int and got == value, name
 
 
-def test_the_step_takes_the_worker_plans(tiny_model, tiny_samples, monkeypatch):
+def test_the_step_takes_the_worker_plans(tiny_model, tiny_samples, step_plans):
     """A batch that carries its loader workers' plans trains exactly as one the step plans itself (loss and
     gradients bit for bit), the tower gets the plans, and the step's host plans nothing."""
     model = packed_model(tiny_model, "qwen2_5_vl")
     module = step.TrainModule(model)
     batch = pack_samples(model, tiny_samples(model, VIDEO_PACK, seed=2))
     loss_ref, grads_ref = grads_of(module, step.to_device(batch, torch.device("cpu")))  # plans the dummy too
-
-    planned_here: list = []
-    plan_kwargs = vision_plan.plan_kwargs
-    monkeypatch.setattr(
-        vision_plan,
-        "plan_kwargs",
-        lambda visual, grid, device: planned_here.append(grid) or plan_kwargs(visual, grid, device),
-    )
+    step_plans.clear()
     seen: list[set] = []
     model.model.visual.register_forward_pre_hook(lambda _, args, kw: seen.append(set(kw)), with_kwargs=True)
     worker_batch = vision_plan.VisionPlanner(model.model.visual).add_host_plans(batch)
     loss, grads = grads_of(module, step.to_device(worker_batch, torch.device("cpu")))
-    assert planned_here == []
+    assert step_plans == []
     assert len(seen) == 2 and all({"position_ids", "cu_seqlens", "window_index"} <= keys for keys in seen)
     assert torch.equal(loss, loss_ref)
     assert grads.keys() == grads_ref.keys()
@@ -251,7 +244,7 @@ def test_the_step_takes_the_worker_plans(tiny_model, tiny_samples, monkeypatch):
 
 
 @pytest.mark.parametrize("stale", ["attn", "rows"])
-def test_a_stale_worker_plan_is_planned_again(tiny_model, tiny_samples, monkeypatch, caplog, stale):
+def test_a_stale_worker_plan_is_planned_again(tiny_model, tiny_samples, step_plans, caplog, stale):
     """A worker plan made for another attention implementation (its max seqlens would be wrong) or for other
     rows than the grid the step sees is not used: the step plans that grid itself, and says so once."""
     model = packed_model(tiny_model, "qwen3_vl")
@@ -263,14 +256,8 @@ def test_a_stale_worker_plan_is_planned_again(tiny_model, tiny_samples, monkeypa
         plan["attn"] = "flash_attention_2"
     else:
         plan["rows"] = ((1, 2, 2), *plan["rows"][1:])
-    planned_here: list = []
-    plan_kwargs = vision_plan.plan_kwargs
-    monkeypatch.setattr(
-        vision_plan,
-        "plan_kwargs",
-        lambda visual, grid, device: planned_here.append(grid.tolist()) or plan_kwargs(visual, grid, device),
-    )
     module(step.to_device(worker_batch, torch.device("cpu")))
     module(step.to_device(worker_batch, torch.device("cpu")))
-    assert [rows for rows in planned_here if len(rows) > 1] == [batch["image_grid_thw"].tolist()] * 2
+    planned = [grid.tolist() for grid in step_plans]
+    assert [rows for rows in planned if len(rows) > 1] == [batch["image_grid_thw"].tolist()] * 2
     assert sum("loader workers' vision plan" in record.getMessage() for record in caplog.records) == 1

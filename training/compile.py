@@ -120,12 +120,12 @@ def compile_blocks(
     (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean", "rows" or "all" has inductor call aten's own
     kernels for the norms' forward (means; layer norms whole), for the sums and means over each row, or for every sum,
     mean and layer norm instead of generating reductions (training/eager_reductions.py), so the norms add in eager's
-    order: with "all", a compiled decoder
-    layer then equals eager bit for bit on the CPU, and the 3B shape's 30-step curve stays with eager's, at 5% of its
-    speed. Each block's own forward is compiled and set as the block's `forward`, inside an eager gradient checkpoint
-    when the block checkpoints (module docstring). Parameters, buffers and state-dict keys are unchanged. Raises
-    dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting it an error. Raises ValueError if the model is
-    already compiled, has no such blocks, a block already has a forward of its own, or eager_reductions is none of
+    order: with "all", a compiled decoder layer then equals eager bit for bit on the CPU, and the 3B shape's 30-step
+    curve stays with eager's, at 5% of its speed. Each block's own forward is compiled and set as the block's
+    `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring). Parameters,
+    buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting
+    it an error. Raises ValueError if the model is already compiled, has no such blocks, a block already has a
+    forward of its own, or eager_reductions is none of
     LOWERED's keys. Undo with `uncompile_blocks(model)`.
     """
     if getattr(model, _STATE_ATTR, None) is not None:

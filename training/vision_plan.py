@@ -14,8 +14,8 @@ pops a precomputed value from the tower's kwargs. This module
   kwargs to the image call, the video call and the text model (`position_ids`, `cu_seqlens` would collide).
 
 train.py's loaders plan each batch's grids in their DataLoader workers, while they collate (`VisionPlanner`, a
-picklable copy of what planning reads of the tower; `HOST_PLANS` in the batch): on the H200 the step's host spent
-~20 ms a step of the 3B shape planning while the GPU sat idle (docs/benchmarks.md, "Seventeenth session"). The step
+picklable copy of what planning reads of the tower; `HOST_PLANS` in the batch): on the H200 the GPU sat idle ~20 ms
+of each 3B-shape step while the step's host planned (docs/benchmarks.md, "Seventeenth session"). The step
 then only copies the plans to the device, and plans a grid itself only when the batch has no plan of it, or one made
 for another attention implementation. The batch's plans go to the device with its other tensors (`to_device`).
 
