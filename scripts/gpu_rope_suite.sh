@@ -20,6 +20,8 @@
 #                                                       speed against bf16-compiled, its 30-step curve),
 #                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean),
 #                                                       levers-3b-eager-rows and curve-3b-eager-rows (=rows),
+#                                                       ab-worker-plans-3b (scripts/ab_worker_plans.py: train.py's
+#                                                       step with and without the loader workers' vision plans),
 #                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
 #                                                       ViT blocks' layer norms go to aten as well),
 #                                                       profile-3b-eager-reductions (scripts/profile_step.py on
@@ -125,6 +127,10 @@ for stage in $STAGES; do
       bf16-compiled,bf16-compiled-eager-reductions ;;
     levers-3b-compiled) compare levers_3b_compiled bench-qwen2_5_vl-3b-shape bf16-compiled ;;
     levers-3b-eager-mean) compare levers_3b_eager_mean bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-mean ;;
+    ab-worker-plans-3b) step ab_worker_plans_3b 300 $PY -m scripts.ab_worker_plans \
+      --config recipes/bench-qwen2_5_vl-3b-shape.yaml --out "$OUT/ab_worker_plans_3b" --rounds 2 \
+      data.num_samples=1800 data.num_workers=8 logging.report_to=none logging.progress_bar=false \
+      train.master_weights=optimizer train.compile=true ;;
     levers-3b-eager-rows) compare levers_3b_eager_rows bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-rows ;;
     levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
@@ -142,7 +148,7 @@ for stage in $STAGES; do
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
       "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled"\
-      "levers-3b-eager-rows curve-3b-eager-rows)"; exit 2 ;;
+      "levers-3b-eager-rows curve-3b-eager-rows ab-worker-plans-3b)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done
