@@ -94,6 +94,7 @@ COMPILED = {
     "train.compile": "true",
     "train.compile_emulate_precision_casts": "true",
     "train.compile_eager_reductions": "none",
+    "train.compile_pad_matmuls": "true",
 }
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
@@ -136,6 +137,22 @@ VARIANT_OVERRIDES = {
         "train.compile_eager_reductions": "rows",
         "train.master_weights": "optimizer",
     },
+    # bf16-compiled without its two matmul levers: inductor's unpadded matmuls, then also the Conv3d patch embedding
+    "bf16-compiled-unpadded": {
+        "kernels.mrope": "fused",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_pad_matmuls": "false",
+        "train.master_weights": "optimizer",
+    },
+    "bf16-compiled-unpadded-conv-embed": {
+        "kernels.mrope": "fused",
+        "kernels.patch_embed": "conv",
+        "packing.mode": "packed",
+        **COMPILED,
+        "train.compile_pad_matmuls": "false",
+        "train.master_weights": "optimizer",
+    },
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
@@ -145,6 +162,8 @@ RESERVED_KEYS = {
     "train.compile",
     "train.compile_emulate_precision_casts",
     "train.compile_eager_reductions",
+    "train.compile_pad_matmuls",
+    "kernels.patch_embed",
     "train.output_dir",
     "train.max_steps",
     "logging.group",

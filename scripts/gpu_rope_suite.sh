@@ -20,6 +20,9 @@
 #                                                       speed against bf16-compiled, its 30-step curve),
 #                                                       levers-3b-eager-mean and curve-3b-eager-mean (the same, =mean),
 #                                                       levers-3b-eager-rows and curve-3b-eager-rows (=rows),
+#                                                       levers-3b-matmuls (bf16-compiled without its padded
+#                                                       matmuls and Conv3d-free patch embedding, without the
+#                                                       padding alone, with both, and with both and =all),
 #                                                       ab-worker-plans-3b (scripts/ab_worker_plans.py: train.py's
 #                                                       step with and without the loader workers' vision plans),
 #                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
@@ -132,6 +135,8 @@ for stage in $STAGES; do
       data.num_samples=1800 data.num_workers=8 logging.report_to=none logging.progress_bar=false \
       train.master_weights=optimizer train.compile=true ;;
     levers-3b-eager-rows) compare levers_3b_eager_rows bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-rows ;;
+    levers-3b-matmuls) compare levers_3b_matmuls bench-qwen2_5_vl-3b-shape \
+      bf16-compiled-unpadded-conv-embed,bf16-compiled-unpadded,bf16-compiled,bf16-compiled-eager-reductions ;;
     levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
     curve-3b-eager-mean) curve_eager_reductions mean ;;
@@ -148,7 +153,7 @@ for stage in $STAGES; do
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
       "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled"\
-      "levers-3b-eager-rows curve-3b-eager-rows ab-worker-plans-3b)"; exit 2 ;;
+      "levers-3b-eager-rows curve-3b-eager-rows ab-worker-plans-3b levers-3b-matmuls)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

@@ -260,12 +260,13 @@ def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live(
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
     on_bf16 = {n for n, v in compare.VARIANT_OVERRIDES.items() if v["train.master_weights"] == "optimizer"}
     eager_variants = {"bf16-compiled-eager-reductions", "bf16-compiled-eager-mean", "bf16-compiled-eager-rows"}
-    assert on_bf16 == {"bf16-weights", "bf16-compiled", "bf16-compiled-fp32-fused", *eager_variants}
+    unpadded = {"bf16-compiled-unpadded", "bf16-compiled-unpadded-conv-embed"}
+    assert on_bf16 == {"bf16-weights", "bf16-compiled", "bf16-compiled-fp32-fused", *eager_variants, *unpadded}
     assert {v["train.master_weights"] for n, v in compare.VARIANT_OVERRIDES.items() if n not in on_bf16} == {"module"}
     assert "train.master_weights" in compare.RESERVED_KEYS
     kept, left_out = compare.select_variants(
         "fused,bf16-weights,unfused,bf16-compiled,bf16-compiled-fp32-fused,bf16-compiled-eager-reductions,"
-        "bf16-compiled-eager-mean,bf16-compiled-eager-rows",
+        "bf16-compiled-eager-mean,bf16-compiled-eager-rows,bf16-compiled-unpadded,bf16-compiled-unpadded-conv-embed",
         "qwen2_5_vl",
         "accelerate",
     )
@@ -279,6 +280,14 @@ def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live(
     assert eager_reductions == {**both, "train.compile_eager_reductions": "all"}
     assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-mean"] == {**both, "train.compile_eager_reductions": "mean"}
     assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-rows"] == {**both, "train.compile_eager_reductions": "rows"}
+    unpadded_variant = compare.VARIANT_OVERRIDES["bf16-compiled-unpadded"]
+    assert unpadded_variant == {**both, "train.compile_pad_matmuls": "false"}
+    assert compare.VARIANT_OVERRIDES["bf16-compiled-unpadded-conv-embed"] == {
+        **unpadded_variant,
+        "kernels.patch_embed": "conv",
+    }
+    assert both["train.compile_pad_matmuls"] == "true" and "kernels.patch_embed" not in both
+    assert {"train.compile_pad_matmuls", "kernels.patch_embed"} <= compare.RESERVED_KEYS
     assert both["train.compile_emulate_precision_casts"] == "true" and both["train.compile_eager_reductions"] == "none"
     assert {"train.compile_emulate_precision_casts", "train.compile_eager_reductions"} <= compare.RESERVED_KEYS
     results = [

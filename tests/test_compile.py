@@ -294,15 +294,17 @@ def test_uncompile_restores_eager_blocks(tiny_model):
 
 
 @pytest.mark.parametrize("emulate", [True, False])
-def test_compile_sets_inductors_eager_roundings_until_uncompiled(tiny_model, emulate):
-    """`emulate_precision_casts` reaches inductor for the whole run (blocks compile at their first forward) and
-    uncompile puts the previous value back."""
+@pytest.mark.parametrize("pad", [True, False])
+def test_compile_sets_inductors_eager_roundings_and_padding_until_uncompiled(tiny_model, emulate, pad):
+    """`emulate_precision_casts` and `pad_matmuls` (inductor's force_shape_pad) reach inductor for the whole run
+    (blocks compile at their first forward) and uncompile puts the previous values back."""
     model = packed_model(tiny_model, "qwen2_5_vl")
-    before = torch._inductor.config.emulate_precision_casts
-    regional.compile_blocks(model, backend="aot_eager", emulate_precision_casts=emulate)
+    before = torch._inductor.config.emulate_precision_casts, torch._inductor.config.force_shape_pad
+    regional.compile_blocks(model, backend="aot_eager", emulate_precision_casts=emulate, pad_matmuls=pad)
     assert torch._inductor.config.emulate_precision_casts is emulate
+    assert torch._inductor.config.force_shape_pad is pad
     regional.uncompile_blocks(model)
-    assert torch._inductor.config.emulate_precision_casts is before
+    assert (torch._inductor.config.emulate_precision_casts, torch._inductor.config.force_shape_pad) == before
 
 
 @pytest.mark.parametrize("which", ["mean", "all"])
@@ -434,7 +436,7 @@ def test_compile_is_off_by_default_in_every_recipe():
 @pytest.mark.parametrize("enabled", [True, False])
 def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path, monkeypatch, enabled):
     """train.compile=true compiles the blocks once, before accelerate wraps the model, trains, and writes the first
-    step's wall and compile time to metrics.jsonl once, passing train.compile_emulate_precision_casts on;
+    step's wall and compile time to metrics.jsonl once, passing the train.compile_* settings on;
     train.compile=false (the default) compiles nothing and writes no such record."""
     from accelerate.state import AcceleratorState
 
@@ -458,6 +460,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         f"train.compile={str(enabled).lower()}",
         "train.compile_emulate_precision_casts=false",
         "train.compile_eager_reductions=mean",
+        "train.compile_pad_matmuls=false",
         "checkpoint.save_final=false",
         "checkpoint.export=false",
         "logging.report_to=none",
@@ -476,7 +479,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
     assert len([r for r in records if "loss" in r]) == 2
     if enabled:
         assert len(compiled) == 1 and compiled[0].fullgraph
-        assert options == [{"emulate_precision_casts": False, "eager_reductions": "mean"}]
+        assert options == [{"emulate_precision_casts": False, "eager_reductions": "mean", "pad_matmuls": False}]
         assert len(first) == 1 and first[0]["step"] == 1 and first[0]["first_step_s"] > 0
     else:
         assert compiled == first == []

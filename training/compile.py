@@ -108,6 +108,7 @@ def compile_blocks(
     backend: str | Callable = "inductor",
     emulate_precision_casts: bool = True,
     eager_reductions: EagerReductions = "none",
+    pad_matmuls: bool = True,
 ) -> CompileReport:
     """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
     `model.model.visual.blocks` in place, with dynamic shapes; call it after the rope patch, the packed forward,
@@ -121,7 +122,11 @@ def compile_blocks(
     kernels for the norms' forward (means; layer norms whole), for the sums and means over each row, or for every sum,
     mean and layer norm instead of generating reductions (training/eager_reductions.py), so the norms add in eager's
     order: with "all", a compiled decoder layer then equals eager bit for bit on the CPU, and the 3B shape's 30-step
-    curve stays with eager's, at 5% of its speed. Each block's own forward is compiled and set as the block's
+    curve stays with eager's, at 5% of its speed. pad_matmuls: inductor pads every matmul dimension that is not a
+    multiple of 8 with zeros (its force_shape_pad): at 4-byte alignment (Qwen2.5-VL's ViT MLPs, 3420 wide) cuBLAS
+    falls back to an sm80 kernel that ran a compiled ViT MLP's forward and backward in 10.4 ms on the H200 where the
+    padded one took 8.1 ms (docs/benchmarks.md, "Nineteenth session"); inductor's own padding heuristic left those
+    matmuls unpadded. Each block's own forward is compiled and set as the block's
     `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring). Parameters,
     buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting
     it an error. Raises ValueError if the model is already compiled, has no such blocks, a block already has a
@@ -139,7 +144,9 @@ def compile_blocks(
     ]
     dynamo_config = {"recompile_limit": torch._dynamo.config.recompile_limit}
     dynamo_config["fail_on_recompile_limit_hit"] = torch._dynamo.config.fail_on_recompile_limit_hit
-    inductor_config = {"emulate_precision_casts": torch._inductor.config.emulate_precision_casts}
+    inductor_config = {
+        name: getattr(torch._inductor.config, name) for name in ("emulate_precision_casts", "force_shape_pad")
+    }
     fullgraph, with_mixer, mixers = [], [], []
     for prefix, parent, attr in named:
         blocks = getattr(parent, attr, None)
@@ -169,6 +176,7 @@ def compile_blocks(
     torch._dynamo.config.fail_on_recompile_limit_hit = True
     # Read when a block compiles (its first forward), so it stays set until uncompile_blocks.
     torch._inductor.config.emulate_precision_casts = emulate_precision_casts
+    torch._inductor.config.force_shape_pad = pad_matmuls
     undo_eager_reductions = None if eager_reductions == "none" else lower_setting(eager_reductions)
     report = CompileReport(
         tuple(fullgraph),

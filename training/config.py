@@ -42,6 +42,9 @@ class KernelsConfig:
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly (self-checked where fla
     # would refuse), else the boundary-exact torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
+    # The ViT's patch embedding (a Conv3d with kernel == stride): "matmul" computes it as the matrix product it is,
+    # 11x faster on the H200 than cuDNN's convolution; "conv" runs transformers' Conv3d (training/patch_embed.py)
+    patch_embed: Literal["matmul", "conv"] = "matmul"
 
 
 @dataclass
@@ -86,9 +89,13 @@ class TrainConfig:
     # add in eager's order: "none"; "mean" (the RMSNorms' forward, the layer norms: 2.6% of the 3B shape's throughput
     # on the H200, and its 30-step curve still leaves eager's); "rows" (the sums and means over each row, the layer
     # norms: the norms' forward and input gradients as "all" has them, not the column sums; free on the 3B shape, 5% on
-    # the 8B shape's LayerNorm ViT, the curve kept in one of two draws); "all"
+    # the 8B shape's LayerNorm ViT, the curve kept in two of four draws); "all"
     # (every sum, mean and layer norm: the curve stays with eager's, at 5% of the throughput)
     compile_eager_reductions: Literal["none", "mean", "rows", "all"] = "none"
+    # With compile: inductor pads a matmul's dimensions that are not a multiple of 8 with zeros (force_shape_pad), so
+    # cuBLAS runs its Hopper kernels, not the sm80 fallback for 4-byte alignment (the ViT MLPs' 3420 lanes of
+    # Qwen2.5-VL; training/compile.py)
+    compile_pad_matmuls: bool = True
 
     def validate(self) -> None:
         if self.lr <= 0:

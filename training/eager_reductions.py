@@ -22,8 +22,9 @@ that lands next to a bf16 rounding boundary (the cast for the next matmul) a bf1
   tokens (the norm weights' and the ViT linears' bias gradients) stay inductor's. Half of "all"'s aten reduction
   time on the 3B shape was those column sums of bf16 gradients ("Seventeenth session"), and they reach no
   activation. On the H200 ("Eighteenth session") it cost nothing measurable on the 3B shape, and its 30-step curve
-  left eager's by 0.037 (allowed 0.213) in one draw and 0.089 (allowed 0.075) in the other; on the 8B shape, whose
-  ViT norms with nn.LayerNorm, the layer norms on aten's kernels cost 5.1% and 2.4 GiB of peak memory.
+  left eager's by 0.037, 0.087, 0.089 and 0.227 in four draws, within two of the four per-draw bars ("Nineteenth
+  session"); on the 8B shape, whose ViT norms with nn.LayerNorm, the layer norms on aten's kernels cost 5.1% and 2.4
+  GiB of peak memory.
 
 The ViT blocks of Qwen2-VL, Qwen3-VL and Qwen3.5 norm with nn.LayerNorm, which inductor decomposes into its own
 mean and variance reductions before any lowering is looked up: the layer norms' decompositions leave inductor's

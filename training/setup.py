@@ -27,6 +27,7 @@ from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
 from training.packed import PACK_KWARG, enable_packed_forward
+from training.patch_embed import use_matmul_patch_embed
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     set_seed(cfg.train.seed)
     model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=cfg.train.seed)
     rope = apply_rope_choice(model, cfg.kernels.mrope)
+    if cfg.kernels.patch_embed == "matmul":
+        use_matmul_patch_embed(model)
     fused_rope = rope is not None and runs_triton(accelerator.device)
     if rope is not None and not fused_rope:
         log.warning(
@@ -115,6 +118,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             model,
             emulate_precision_casts=cfg.train.compile_emulate_precision_casts,
             eager_reductions=cfg.train.compile_eager_reductions,
+            pad_matmuls=cfg.train.compile_pad_matmuls,
         )
     log.info(
         "rope: %s; trainable parameters per part: %s",
