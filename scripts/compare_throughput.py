@@ -95,6 +95,7 @@ COMPILED = {
     "train.compile_emulate_precision_casts": "true",
     "train.compile_eager_reductions": "none",
     "train.compile_pad_matmuls": "true",
+    "kernels.patch_embed": "matmul",
 }
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
@@ -138,6 +139,7 @@ VARIANT_OVERRIDES = {
         "train.master_weights": "optimizer",
     },
     # bf16-compiled without its two matmul levers: inductor's unpadded matmuls, then also the Conv3d patch embedding
+    # (kernels.patch_embed's default)
     "bf16-compiled-unpadded": {
         "kernels.mrope": "fused",
         "packing.mode": "packed",
@@ -147,9 +149,9 @@ VARIANT_OVERRIDES = {
     },
     "bf16-compiled-unpadded-conv-embed": {
         "kernels.mrope": "fused",
-        "kernels.patch_embed": "conv",
         "packing.mode": "packed",
         **COMPILED,
+        "kernels.patch_embed": "conv",
         "train.compile_pad_matmuls": "false",
         "train.master_weights": "optimizer",
     },

@@ -74,7 +74,7 @@ def test_matmul_patch_embed_refuses_a_second_switch(tiny_model):
 
 @pytest.mark.parametrize("choice", ["matmul", "conv"])
 def test_training_setup_switches_the_patch_embedding_as_the_recipe_says(tmp_path, choice):
-    """kernels.patch_embed=matmul (the default) reaches the model train.py builds; conv leaves transformers' own."""
+    """kernels.patch_embed=matmul reaches the model train.py builds; conv (the default) leaves transformers' own."""
     from accelerate.state import AcceleratorState
 
     from training.config import load_config
@@ -83,7 +83,7 @@ def test_training_setup_switches_the_patch_embedding_as_the_recipe_says(tmp_path
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=16", "data.eval_fraction=0", "kernels.mrope=unfused"]
     overrides += ["logging.report_to=none", "logging.progress_bar=false", f"train.output_dir={tmp_path / 'run'}"]
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", [*overrides, f"kernels.patch_embed={choice}"])
-    assert load_config("recipes/tiny-qwen2_5_vl.yaml", overrides).kernels.patch_embed == "matmul"
+    assert load_config("recipes/tiny-qwen2_5_vl.yaml", overrides).kernels.patch_embed == "conv"
     try:
         setup = build_training(cfg, build_accelerator(cfg))
         embeds = [m for name, m in setup.module.named_modules() if name.endswith("visual.patch_embed")]

@@ -42,9 +42,11 @@ class KernelsConfig:
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly (self-checked where fla
     # would refuse), else the boundary-exact torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
-    # The ViT's patch embedding (a Conv3d with kernel == stride): "matmul" computes it as the matrix product it is,
-    # 11x faster on the H200 than cuDNN's convolution; "conv" runs transformers' Conv3d (training/patch_embed.py)
-    patch_embed: Literal["matmul", "conv"] = "matmul"
+    # The ViT's patch embedding (a Conv3d with kernel == stride): "conv" runs transformers' Conv3d; "matmul" computes
+    # it as the matrix product it is, 11x faster on the H200 than cuDNN's convolution (training/patch_embed.py). Not
+    # the default: with a bias (Qwen3-VL, Qwen3.5) its weight gradient under train.master_weights=optimizer differs
+    # from module mode's in the last bits on the CPU, where the convolution's is equal bit for bit
+    patch_embed: Literal["conv", "matmul"] = "conv"
 
 
 @dataclass
