@@ -63,7 +63,8 @@ Variants (train.py overrides they set):
            eager's order, the sums over tokens stay inductor's
   Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
   bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but the
-  last three train.compile_eager_reductions=none (the default).
+  last three train.compile_eager_reductions=none (inductor's reductions; train.py's default is now rows, i.e.
+  bf16-compiled-eager-rows is train.py's compiled default).
 """
 
 from __future__ import annotations

@@ -4,14 +4,19 @@ resume/export.
     python -m scripts.distributed_parity --out artifacts/distributed/parity.json [--gpus 2] \
         [--layouts single,ddp,fsdp2] [--packs-per-step P] [--baseline earlier.json,…] \
         [--recipes recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml] [--steps 30] [--shape-steps 16] \
-        [--no-resume | --resume-all] [--repeat-single] [dotted.key=value ...]
+        [--no-resume | --resume-all] [--repeat-single] [--repeat-fast] [--fast-override KEY=VALUE ...] \
+        [dotted.key=value ...]
 
 For each recipe, separate launches of train.py (every one with NVLink multicast off, training/distributed.py):
   single   one GPU, P accumulation micro-steps per optimizer step    python train.py
   single-repeat   the same launch again (--repeat-single)
   bf16-compiled   one GPU on bf16 weights with fp32 masters in the optimizer, compiled    python train.py
                   train.master_weights=optimizer train.compile=true (only when --layouts names it): the fastest
-                  one-GPU setup, judged against the 1-GPU run like a layout (issue 15's numerics)
+                  one-GPU setup, judged against the 1-GPU run like a layout (issue 15's numerics); each
+                  --fast-override KEY=VALUE is added to its launch alone (a lever whose numerics the curve judges,
+                  e.g. kernels.patch_embed=matmul, while the 1-GPU run stays the default path)
+  bf16-compiled-repeat   the same launch again (--repeat-fast): a second draw of its gap to the 1-GPU run, for
+                  scripts/curve_spread.py, which pools such draws against the 1-GPU runs' repeats
   ddp      N GPUs, P/N micro-steps each                              accelerate launch … ddp.yaml
   fsdp2    N GPUs, sharded, with a checkpoint halfway                accelerate launch … fsdp2.yaml
   resume   fsdp2 again from that checkpoint, then its export loaded on the CPU (first recipe only; every recipe
@@ -78,12 +83,13 @@ LAYOUTS = ("single", FAST, "ddp", "fsdp2")  # what --layouts may name, in launch
 DEFAULT_LAYOUTS = ("single", "ddp", "fsdp2")
 LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true"]}  # after the user's: they win
 REPEAT = "single-repeat"  # the single layout launched again (--repeat-single): the reference's own run-to-run noise
-ONE_GPU_LAYOUTS = ("single", REPEAT, FAST)
+FAST_REPEAT = f"{FAST}-repeat"  # the fast layout launched again (--repeat-fast): another draw of its gap
+ONE_GPU_LAYOUTS = ("single", REPEAT, FAST, FAST_REPEAT)
 GRAD_NORM_TOL = 1e-2  # bf16 parameters under FSDP2 move the step-1 gradient norm by ~2e-3 (docs/benchmarks.md)
 NOISE_MULTIPLE = 2.0
 """With --repeat-single, a loss curve is within noise when its largest per-step gap to the 1-GPU run is at most this
 many times the gap between the 1-GPU run and its repeat (or --loss-tol, if larger). That gap is one draw: a layout with
-the same noise exceeds it about half the time."""
+the same noise exceeds it about half the time: scripts/curve_spread.py pools draws into an exact test instead."""
 ACCELERATE_CONFIG = {"ddp": "ddp", "fsdp2": "fsdp2", "resume": "fsdp2"}  # layout → recipes/accelerate/<name>.yaml
 LEGACY_PACKS_PER_STEP = 2  # what every --out file written before --packs-per-step existed ran
 TEARDOWN_GRACE_S = 60  # a rank still alive this long after summary.json is stuck in teardown, not working
@@ -123,6 +129,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"launch the single layout twice: losses within {NOISE_MULTIPLE:g}x its run-to-run gap count as parity",
     )
     parser.add_argument(
+        "--repeat-fast", action="store_true", help=f"launch {FAST} twice: two draws of its gap to the 1-GPU run"
+    )
+    parser.add_argument(
+        "--fast-override",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help=f"a dotted override for the {FAST} launches alone (repeatable), after the user's and its own",
+    )
+    parser.add_argument(
         "--grad-norm-tol",
         type=float,
         default=GRAD_NORM_TOL,
@@ -139,6 +155,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.layouts = [name for name in LAYOUTS if name in args.layouts]
     if args.repeat_single and "single" not in args.layouts:
         parser.error("--repeat-single needs single in --layouts.")
+    if (args.repeat_fast or args.fast_override) and FAST not in args.layouts:
+        parser.error(f"--repeat-fast and --fast-override need {FAST} in --layouts.")
+    if any("=" not in item or item.startswith("=") for item in args.fast_override):
+        parser.error(f"--fast-override takes dotted.key=value, got {args.fast_override}.")
     args.baseline = [path.strip() for path in args.baseline.split(",") if path.strip()]
     if args.gpus < 2:
         parser.error(f"--gpus must be >= 2 (the multi-GPU layouts' process count), got {args.gpus}.")
@@ -200,7 +220,8 @@ def common_overrides(args: argparse.Namespace, steps: int) -> list[str]:
 
 def launch_plan(args: argparse.Namespace, steps: int, with_resume: bool) -> dict[str, list[str]]:
     """train.py overrides of each layout in --layouts, in launch order (with --repeat-single, single's again right
-    after it). With `with_resume`, fsdp2 checkpoints halfway and exports at the end for the resume check (planned by
+    after it; with --repeat-fast, the fast layout's likewise; --fast-override items last in the fast layout's).
+    With `with_resume`, fsdp2 checkpoints halfway and exports at the end for the resume check (planned by
     check_resume, which needs that checkpoint)."""
     no_checkpoints = ["checkpoint.every_steps=0", "checkpoint.save_final=false", "checkpoint.export=false"]
     halfway = [f"checkpoint.every_steps={steps // 2}", "checkpoint.keep_last=2", "checkpoint.save_final=false"]
@@ -212,9 +233,12 @@ def launch_plan(args: argparse.Namespace, steps: int, with_resume: bool) -> dict
             *micro_step_overrides(layout, args.gpus, args.packs_per_step),
             *checkpoints,
             *LAYOUT_OVERRIDES.get(layout, []),
+            *(args.fast_override if layout == FAST else []),
         ]
         if layout == "single" and args.repeat_single:
             plan[REPEAT] = plan[layout]
+        if layout == FAST and args.repeat_fast:
+            plan[FAST_REPEAT] = plan[layout]
     return plan
 
 
@@ -571,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         "loss_tol": args.loss_tol,
         "grad_norm_tol": args.grad_norm_tol,
         "repeat_single": args.repeat_single,
+        "repeat_fast": args.repeat_fast,
+        "fast_overrides": args.fast_override,
         "env": SAFE_COLLECTIVES_ENV,
         "results": results,
         "wall_s": time.perf_counter() - start,
@@ -584,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
         if noise is not None:
             print(
                 f"\n{name}: the 1-GPU run and its repeat differ by up to {noise:.2e} per step; losses within "
-                f"{loss_tolerance(result, args.loss_tol):.2e} (max of --loss-tol, {NOISE_MULTIPLE:g}x that) pass."
+                f"{loss_tolerance(result, args.loss_tol):.2e} (max of --loss-tol, {NOISE_MULTIPLE:g}x that) pass; "
+                "scripts/curve_spread.py judges one layout over several such draws."
             )
         resume = result.get("fsdp2_resume")
         if resume:

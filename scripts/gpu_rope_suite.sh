@@ -25,6 +25,13 @@
 #                                                       padding alone, with both, and with both and =all),
 #                                                       ab-worker-plans-3b (scripts/ab_worker_plans.py: train.py's
 #                                                       step with and without the loader workers' vision plans),
+#                                                       curve-3b-levers (the 30-step curve of bf16-compiled
+#                                                       with both matmul levers and train.compile_eager_reductions=
+#                                                       EAGER_REDUCTIONS (default rows), launched twice, against the
+#                                                       default path and its repeat: scripts/curve_spread.py pools
+#                                                       the draws), levers-8b-eager-rows (the 8B shape's speed with
+#                                                       =rows), levers-full-depth-eager-rows (the full-depth 3B shape,
+#                                                       LLM and ViT checkpointing, bf16-compiled with =rows),
 #                                                       levers-8b-eager-mean (the 8B shape's speed with =mean: its
 #                                                       ViT blocks' layer norms go to aten as well),
 #                                                       profile-3b-eager-reductions (scripts/profile_step.py on
@@ -137,6 +144,16 @@ for stage in $STAGES; do
     levers-3b-eager-rows) compare levers_3b_eager_rows bench-qwen2_5_vl-3b-shape bf16-compiled,bf16-compiled-eager-rows ;;
     levers-3b-matmuls) compare levers_3b_matmuls bench-qwen2_5_vl-3b-shape \
       bf16-compiled-unpadded-conv-embed,bf16-compiled-unpadded,bf16-compiled,bf16-compiled-eager-reductions ;;
+    curve-3b-levers) step curve_3b_levers_${EAGER_REDUCTIONS:-rows} 900 $PY -m scripts.distributed_parity \
+      --out "$OUT/curve_3b_levers_${EAGER_REDUCTIONS:-rows}.json" --gpus 2 --recipes recipes/bench-qwen2_5_vl-3b-shape.yaml \
+      --layouts single,bf16-compiled --repeat-single --repeat-fast --steps 30 --no-resume --launch-timeout 400 \
+      --fast-override kernels.patch_embed=matmul --fast-override train.compile_eager_reductions="${EAGER_REDUCTIONS:-rows}" \
+      data.num_samples=4000 data.num_workers=8 ;;
+    levers-8b-eager-rows) compare levers_8b_eager_rows bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-rows ;;
+    levers-full-depth-eager-rows) compare levers_full_depth_eager_rows bench-qwen2_5_vl-3b-shape bf16-compiled-eager-rows \
+      model.config.text_config.num_hidden_layers=36 model.config.vision_config.depth=32 \
+      'model.config.vision_config.fullatt_block_indexes=[7,15,23,31]' model.gradient_checkpointing_llm=true \
+      model.gradient_checkpointing_vision=true ;;
     levers-8b-eager-mean) compare levers_8b_eager_mean bench-qwen3_vl-8b-shape bf16-compiled,bf16-compiled-eager-mean ;;
     curve-3b-eager-reductions) curve_eager_reductions all ;;
     curve-3b-eager-mean) curve_eager_reductions mean ;;
@@ -153,7 +170,8 @@ for stage in $STAGES; do
       "levers-qwen3_5 warm-qwen3_5 longest-3b longest-8b longest-qwen3_5 curve-3b curve-3b-compiled"\
       "compile-accuracy levers-3b-eager-reductions curve-3b-eager-reductions levers-3b-eager-mean"\
       "curve-3b-eager-mean levers-8b-eager-mean profile-3b-eager-reductions levers-3b-compiled"\
-      "levers-3b-eager-rows curve-3b-eager-rows ab-worker-plans-3b levers-3b-matmuls)"; exit 2 ;;
+      "levers-3b-eager-rows curve-3b-eager-rows ab-worker-plans-3b levers-3b-matmuls curve-3b-levers"\
+      "levers-8b-eager-rows levers-full-depth-eager-rows)"; exit 2 ;;
   esac
 done
 for log in "$OUT"/*.log; do echo "=== $(basename "$log") (tail)"; tail -n 12 "$log"; done

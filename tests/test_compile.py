@@ -377,14 +377,14 @@ def test_which_reductions_are_row_reductions(dims, rank, rows_only):
 
 
 def test_eager_reductions_take_the_recipe_keys_choices_only(tiny_model):
-    """The recipe key offers exactly the settings compile_blocks knows ("none", the default, lowers nothing and
-    keeps the caches); anything else is a clear error before any block is touched."""
+    """The recipe key offers exactly the settings compile_blocks knows (its default "rows"; compile_blocks' own
+    default "none" lowers nothing and keeps the caches); anything else is a clear error before any block is touched."""
     import typing
 
     from training.config import TrainConfig
 
     assert typing.get_args(typing.get_type_hints(TrainConfig)["compile_eager_reductions"]) == tuple(LOWERED)
-    assert load_config(None).train.compile_eager_reductions == "none"
+    assert load_config(None).train.compile_eager_reductions == "rows"
     model = packed_model(tiny_model, "qwen2_5_vl")
     with pytest.raises(ValueError, match="eager_reductions must be one of"):
         regional.compile_blocks(model, backend="aot_eager", eager_reductions=True)

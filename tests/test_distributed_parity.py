@@ -150,12 +150,15 @@ def test_layouts_filter_and_order():
         ["--gpus", "4", "--packs-per-step", "2"],
         ["--no-resume", "--resume-all"],
         ["--layouts", "ddp,fsdp2", "--repeat-single"],
+        ["--layouts", "single", "--repeat-fast"],
+        ["--layouts", "single", "--fast-override", "kernels.patch_embed=matmul"],
+        ["--layouts", "single,bf16-compiled", "--fast-override", "kernels.patch_embed"],
     ],
 )
 def test_bad_arguments_are_refused(argv):
     """Unknown, repeated or no layouts, fewer than 2 GPUs, packs per step that the GPUs cannot share,
-    contradictory resume flags and a repeat of a single layout that is not run end in a usage error before
-    anything launches."""
+    contradictory resume flags, a repeat of a layout that is not run, a fast-layout override without that layout
+    or not KEY=VALUE end in a usage error before anything launches."""
     with pytest.raises(SystemExit):
         parity.parse_args(["--out", "x.json", *argv])
 
@@ -308,6 +311,23 @@ def test_bf16_compiled_is_one_gpu_like_single_plus_its_two_keys():
     runs = {"single": fake_run(1, 100.0, {1: 5.0, 2: 4.0}), parity.FAST: fake_run(1, 130.0, {1: 5.0, 2: 4.02})}
     row = parity.summarize("recipes/x.yaml", 2, parity.parse_args(argv), runs, {}, None)["layouts"][parity.FAST]
     assert row["max_abs_dloss_vs_single"] == pytest.approx(0.02) and row["single_from"] == "this run"
+
+
+def test_fast_overrides_and_repeat_reach_the_fast_launches_only():
+    """--fast-override items come last in the bf16-compiled launch (after its own keys, so they win) and nowhere
+    else; --repeat-fast launches it again right after it with the same overrides, one GPU, judged like it."""
+    argv = ["--out", "x.json", "--layouts", "single,bf16-compiled", "--repeat-single", "--repeat-fast"]
+    argv += ["--fast-override", "kernels.patch_embed=matmul", "--fast-override", "train.compile_eager_reductions=all"]
+    plan = parity.launch_plan(parity.parse_args([*argv, "data.num_samples=40"]), steps=10, with_resume=False)
+    assert list(plan) == ["single", parity.REPEAT, parity.FAST, parity.FAST_REPEAT]
+    fast_keys = ["train.master_weights=optimizer", "train.compile=true", "kernels.patch_embed=matmul"]
+    assert plan[parity.FAST] == [*plan["single"], *fast_keys, "train.compile_eager_reductions=all"]
+    assert plan[parity.FAST_REPEAT] == plan[parity.FAST]
+    assert "kernels.patch_embed=matmul" not in plan["single"] and "data.num_samples=40" in plan["single"]
+    assert parity.num_processes(parity.FAST_REPEAT, 2) == 1
+    runs = {"single": fake_run(1, 100.0, {1: 5.0, 2: 4.0}), parity.FAST_REPEAT: fake_run(1, 130.0, {1: 5.0, 2: 4.1})}
+    result = parity.summarize("recipes/x.yaml", 2, parity.parse_args(argv), runs, {}, None)
+    assert result["layouts"][parity.FAST_REPEAT]["max_abs_dloss_vs_single"] == pytest.approx(0.1)
 
 
 def test_repeat_sets_the_loss_tolerance():

@@ -88,12 +88,14 @@ class TrainConfig:
     # closer to eager's numbers at no measured cost; false keeps them fp32 (training/compile.py)
     compile_emulate_precision_casts: bool = True
     # With compile: which reductions inductor leaves to aten's kernels (training/eager_reductions.py), so the norms
-    # add in eager's order: "none"; "mean" (the RMSNorms' forward, the layer norms: 2.6% of the 3B shape's throughput
-    # on the H200, and its 30-step curve still leaves eager's); "rows" (the sums and means over each row, the layer
-    # norms: the norms' forward and input gradients as "all" has them, not the column sums; free on the 3B shape, 5% on
-    # the 8B shape's LayerNorm ViT, the curve kept in two of four draws); "all"
-    # (every sum, mean and layer norm: the curve stays with eager's, at 5% of the throughput)
-    compile_eager_reductions: Literal["none", "mean", "rows", "all"] = "none"
+    # add in eager's order. "rows" (the default since the twentieth session; it was "none"): the sums and means over
+    # each row and the layer norms, i.e. the norms' forward and input gradients as eager has them. Its 30-step curve
+    # is within the eager path's run-to-run spread (scripts/curve_spread.py: p = 0.06 over four draws), where
+    # "none"'s is outside it (p = 0.04: inductor's own norm reductions shift the curve); it costs nothing on the 3B
+    # shape and 3% on the 8B shape, whose ViT norms are nn.LayerNorms (docs/benchmarks.md, "Twentieth session").
+    # "none": inductor's reductions, that 3% back on LayerNorm ViTs. "mean": the norms' forward only (2.6% on the
+    # 3B shape; its curve left eager's). "all": every sum, mean and layer norm (the curve nearest eager's, 5% slower)
+    compile_eager_reductions: Literal["none", "mean", "rows", "all"] = "rows"
     # With compile: inductor pads a matmul's dimensions that are not a multiple of 8 with zeros (force_shape_pad), so
     # cuBLAS runs its Hopper kernels, not the sm80 fallback for 4-byte alignment (the ViT MLPs' 3420 lanes of
     # Qwen2.5-VL; training/compile.py)
