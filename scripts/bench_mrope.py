@@ -25,7 +25,11 @@ Host µs per call at T = 1 (GPU work of a few µs, so what is measured is the ho
 wall clock of --host-calls back-to-back calls with one synchronize at the end, for ours, the two mechanisms and
 Liger; and for the kernel launch alone into preallocated outputs (fwd+bwd: the forward and the conjugate launch),
 `launch_jit`, `rope_launch` as it was before its direct launch (plan lookup, then Triton's JIT), and `launch_direct`,
-`rope_launch` (plan lookup, then the kept compiled kernel's direct launch).
+`rope_launch` (plan lookup, then the kept compiled kernel's direct launch); and per call of --stack chained calls
+with one backward (`<impl>_stack`) for ours, Liger and the copy floor's Function (the least a Python
+autograd.Function node costs): the engine's start shared by the stack, as in a training step.
+Device µs (`fwdbwd_device_us`, torch.profiler's sum of kernel durations, no L2 flush) beside the wall-clock fwd+bwd
+of ours per call and of every stack: where the wall time is well above it, the host bounds the row.
 
     python -m scripts.bench_mrope --out artifacts/bench/bench_mrope.json [--tokens 16384] [--stack 8] [--sweep]
 """
@@ -74,6 +78,18 @@ STACKED = ("ours_as_trained", "hf_eager", "torch_compile", "liger")
 
 def bench_ms(fn) -> float:
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def device_ms(fn, calls: int = 10) -> float:
+    """Device time of `fn`'s GPU work per call in ms (torch.profiler: the sum of its kernels' durations), beside its
+    wall-clock time: a row whose wall time is well above it waits on the host. No L2 flush between calls."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    return sum(event.self_device_time_total for event in prof.key_averages()) / calls / 1e3
 
 
 def hf_cos_sin(case: Case, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
@@ -138,6 +154,15 @@ def _timed(label: str, fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> 
     except Exception as exc:
         print(f"{label} FAILED: {exc!r}"[:400], file=sys.stderr)
         return math.nan, math.nan
+
+
+def _device_fwdbwd_us(label: str, fn, inputs: tuple[torch.Tensor, torch.Tensor], grads) -> float:
+    """fwd+bwd device µs per call of `fn` (`device_ms`); NaN and a message where it fails."""
+    try:
+        return device_ms(lambda: torch.autograd.grad(fn(*inputs), inputs, grads)) * 1e3
+    except Exception as exc:
+        print(f"{label} device timing FAILED: {exc!r}"[:400], file=sys.stderr)
+        return math.nan
 
 
 def make_inputs(case: Case, n_tokens: int, dev: str = "cuda") -> dict:
@@ -281,6 +306,8 @@ def run_case(case: Case, n_tokens: int, layers: int, rows: list[dict], sweep: bo
     for impl, (fn, inputs, impl_grads) in impls.items():
         t_fwd, t_fb = _timed(f"{case.name} {impl}", fn, inputs, impl_grads)
         rows.append(_row(case.name, impl, t_fwd, t_fb, moved_bytes))
+        if impl == "ours_as_trained":
+            rows[-1]["fwdbwd_device_us"] = _device_fwdbwd_us(f"{case.name} {impl}", fn, inputs, impl_grads)
     fwd, fwd_bwd = _kernels_only(case, x)
     rows.append(_row(case.name, "ours_kernels_only", bench_ms(fwd), bench_ms(fwd_bwd), moved_bytes))
     with torch.no_grad():
@@ -294,31 +321,48 @@ def run_case(case: Case, n_tokens: int, layers: int, rows: list[dict], sweep: bo
     for impl, (fn, inputs, impl_grads) in stacks.items():
         t_fwd, t_fb = _timed(f"{case.name} {impl}_stack", stacked(fn, layers), inputs, impl_grads)
         rows.append({**_row(case.name, f"{impl}_stack", t_fwd / layers, t_fb / layers, moved_bytes), "layers": layers})
+        device_us = _device_fwdbwd_us(f"{case.name} {impl}_stack", stacked(fn, layers), inputs, impl_grads)
+        rows[-1]["fwdbwd_device_us"] = device_us / layers
     if sweep:
         _sweep(case, x, rows)
 
 
-def host_us_per_call(case: Case, calls: int) -> list[dict]:
+def host_us_per_call(case: Case, calls: int, layers: int) -> list[dict]:
     """Host µs per call at T = 1, where the GPU work is a few µs: wall clock of `calls` back-to-back calls with one
-    synchronize at the end, so the host's Python, dispatch and launch cost is what is measured."""
+    synchronize at the end, so the host's Python, dispatch and launch cost is what is measured; `<impl>_stack` rows
+    per call of `layers` chained calls with one backward."""
     x = make_inputs(case, 1)
     impls = {name: entry for name, entry in implementations(case, x, with_compile=False).items() if name != "hf_eager"}
     fwd, fwd_bwd = _kernels_only(case, x)
-    out = []
-    for impl, (fn, inputs, grads) in impls.items():
-
-        def run_fwd(fn=fn, inputs=inputs):
-            with torch.no_grad():
-                fn(*inputs)
-
-        def run_fwd_bwd(fn=fn, inputs=inputs, grads=grads):
-            torch.autograd.grad(fn(*inputs), inputs, grads)
-
-        out.append(_host_row(case.name, impl, run_fwd, run_fwd_bwd, calls))
+    out = [_host_row(case.name, impl, *_autograd_calls(fn, inputs, grads), calls) for impl, (fn, inputs, grads) in
+           impls.items()]  # fmt: skip
     out.append(_host_row(case.name, "ours_kernels_only", fwd, fwd_bwd, calls))
     for impl, (launch_fwd, launch_fwd_bwd) in launches(case, x).items():
         out.append(_host_row(case.name, impl, launch_fwd, launch_fwd_bwd, calls))
+    # Stacks: one engine start per `layers` calls, as in a training step; the copy floor's Function is the least a
+    # Python autograd.Function node costs.
+    stacks = {impl: impls[impl] for impl in ("ours_as_trained", "liger") if impl in impls}
+    stacks["copy_floor"] = (CopyFloor.apply, (x["q"], x["k"]), x["grads"])
+    for impl, (fn, inputs, grads) in stacks.items():
+        row = _host_row(
+            case.name, f"{impl}_stack", *_autograd_calls(stacked(fn, layers), inputs, grads), max(1, calls // layers)
+        )
+        out.append({**row, "host_fwd_us": row["host_fwd_us"] / layers, "host_fwdbwd_us": row["host_fwdbwd_us"] / layers,
+                    "layers": layers})  # fmt: skip
     return out
+
+
+def _autograd_calls(fn, inputs: tuple[torch.Tensor, torch.Tensor], grads):
+    """(fwd without grad, fwd + `torch.autograd.grad`) callables of `fn` on `inputs`."""
+
+    def run_fwd():
+        with torch.no_grad():
+            fn(*inputs)
+
+    def run_fwd_bwd():
+        torch.autograd.grad(fn(*inputs), inputs, grads)
+
+    return run_fwd, run_fwd_bwd
 
 
 def launches(case: Case, x: dict) -> dict:
@@ -380,8 +424,8 @@ _TILE_NAMES = {triton_rope.TILE_HALVES: "half", triton_rope.TILE_ROWS: "row", tr
 
 def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     """Forward time of launcher variants (BLOCK_T, num_warps, and the tile kinds: half tiles; for R == D row
-    tiles; where R/2 is not a power of two split half tiles), to tune the heuristics; the default is the row marked
-    `default`."""
+    tiles, also with q and k loaded in program order, `_loads_late`; where R/2 is not a power of two split half
+    tiles), to tune the heuristics; the default is the row marked `default`."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
@@ -391,16 +435,19 @@ def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     tiles = [triton_rope.TILE_HALVES]
     tiles += [triton_rope.TILE_ROWS] if case.rotary_dim == case.head_dim else []
     tiles += [triton_rope.TILE_SPLIT] if half & (half - 1) else []
-    configs = [(None, None, None)] + [
-        (bt, w, tile) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+    configs = [(None, None, None, None)] + [
+        (bt, w, tile, None) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
     ]
-    for block_t, warps, tile in configs:
+    if triton_rope.TILE_ROWS in tiles:  # row tiles load q and k first by default: also the loads in program order
+        configs += [(1, 2, triton_rope.TILE_ROWS, False), (1, 4, triton_rope.TILE_ROWS, False)]
+    for block_t, warps, tile, loads_first in configs:
         t = bench_ms(
-            lambda bt=block_t, w=warps, tile=tile: triton_rope.rope_launch(
-                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile
+            lambda bt=block_t, w=warps, tile=tile, early=loads_first: triton_rope.rope_launch(
+                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile, early
             )
         )
         name = "default" if block_t is None else f"bt{block_t}_w{warps}_{_TILE_NAMES[tile]}"
+        name += "_loads_late" if loads_first is False else ""
         rows.append({"case": case.name, "impl": f"sweep_{name}", "fwd_us": t * 1e3})
 
 
@@ -481,11 +528,15 @@ def print_tables(rows: list[dict], host_rows: list[dict], checks: list[dict]) ->
 
 
 def _print_timed(rows: list[dict]) -> None:
-    print(f"{'case':42s} {'impl':28s} {'fwd µs':>8s} {'×floor':>7s} {'fwd+bwd µs':>11s} {'×floor':>7s}")
+    """The timed rows; `device µs` (fwd+bwd on the GPU, profiled) where measured: far below fwd+bwd, the host bounds
+    the row."""
+    header = ("fwd µs", 8), ("×floor", 7), ("fwd+bwd µs", 11), ("×floor", 7), ("device µs", 9)
+    print(f"{'case':42s} {'impl':28s} " + " ".join(f"{name:>{width}s}" for name, width in header))
     for r in rows:
+        device = f"{r['fwdbwd_device_us']:9.1f}" if "fwdbwd_device_us" in r else ""
         print(
             f"{r['case']:42s} {r['impl']:28s} {r['fwd_us']:8.1f} {r['fwd_x_floor']:7.2f} "
-            f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_x_floor']:7.2f}"
+            f"{r['fwdbwd_us']:11.1f} {r['fwdbwd_x_floor']:7.2f} {device}"
         )
 
 
@@ -528,7 +579,7 @@ def main() -> None:
     host_rows: list[dict] = []
     for case in CASES:
         run_case(case, args.tokens, args.stack, rows, args.sweep)
-        host_rows += host_us_per_call(case, args.host_calls)
+        host_rows += host_us_per_call(case, args.host_calls, args.stack)
     with_floor_ratios(rows)
     checks = check_targets(rows)
     meta = {
