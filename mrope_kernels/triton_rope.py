@@ -116,53 +116,6 @@ def _rotate_heads(
 
 
 @triton.jit
-def _row_tile(token_offset, token_mask, head_start, n_heads, stride_head, HEAD_DIM: tl.constexpr,
-              BLOCK_LANES: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
-    """Offsets and mask of the (BLOCK_T, BLOCK_H, BLOCK_LANES) row tile of heads [head_start, head_start + BLOCK_H)."""
-    lanes = tl.arange(0, BLOCK_LANES)
-    head = head_start + tl.arange(0, BLOCK_H)
-    mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & (lanes < HEAD_DIM)[None, None, :]
-    offsets = token_offset[:, None, None] + (head * stride_head)[None, :, None] + lanes[None, None, :]
-    return offsets, mask
-
-
-@triton.jit
-def _load_rows(X, x_token_offset, token_mask, head_start, n_heads, stride_x_head, HEAD_DIM: tl.constexpr,
-               BLOCK_LANES: tl.constexpr, BLOCK_H: tl.constexpr):  # fmt: skip
-    """The row tile of heads [head_start, head_start + BLOCK_H) of X, in fp32 (0 where masked)."""
-    offsets, mask = _row_tile(x_token_offset, token_mask, head_start, n_heads, stride_x_head, HEAD_DIM, BLOCK_LANES,
-                              BLOCK_H)  # fmt: skip
-    return tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _store_rotated_rows(
-    OUT,
-    x,  # (BLOCK_T, BLOCK_H, BLOCK_LANES) fp32: `_load_rows` of the same heads
-    out_token_offset,  # (BLOCK_T,) int64 offset of each token's first element in OUT
-    token_mask,
-    head_start,
-    n_heads,
-    stride_out_head,
-    cos,  # (BLOCK_T, BLOCK_LANES) fp32 per lane of the whole head
-    sin,  # (BLOCK_T, BLOCK_LANES) fp32, already negated on the first half (and again for CONJUGATE)
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_LANES: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Store the row tile x rotated: out[l] = x[l] cos[l] + x[l ± R/2] sin[l], each lane's partner (l ± R/2)
-    gathered from the loaded row in registers (`tl.gather`), not loaded again."""
-    lanes = tl.arange(0, BLOCK_LANES)
-    partner = tl.where(lanes < HALF, lanes + HALF, lanes - HALF)  # padding lanes (>= R) pick a lane that exists
-    partner_index = tl.broadcast_to(partner[None, None, :], (x.shape[0], x.shape[1], x.shape[2]))
-    x_partner = tl.gather(x, partner_index, axis=2)
-    offsets, mask = _row_tile(out_token_offset, token_mask, head_start, n_heads, stride_out_head, HEAD_DIM,
-                              BLOCK_LANES, BLOCK_H)  # fmt: skip
-    tl.store(OUT + offsets, (x * cos[:, None, :] + x_partner * sin[:, None, :]).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _rotate_rows(
     X,
     OUT,
@@ -172,26 +125,37 @@ def _rotate_rows(
     n_heads,
     stride_x_head,
     stride_out_head,
-    cos,
-    sin,
+    cos,  # (BLOCK_T, BLOCK_LANES) fp32 per lane of the whole head
+    sin,  # (BLOCK_T, BLOCK_LANES) fp32, already negated on the first half (and again for CONJUGATE)
     HALF: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_LANES: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
-    """Rotate whole heads (R == D) as one row each, BLOCK_H heads at a time (`_store_rotated_rows`).
+    """Rotate whole heads (R == D) as one row each: out[l] = x[l] cos[l] + x[l ± R/2] sin[l].
 
     Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
     half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
-    whole 16-byte vectors. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.17x the copy floor on 2 warps
-    (1.37x on 4); a second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two
+    whole 16-byte vectors, and each lane's partner (l ± R/2) is gathered from the loaded row in registers
+    (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.17x the copy floor on
+    2 warps (1.37x on 4); a second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two
     constant-offset loads masked to one half each 1.64x (on 4 warps).
     """
+    lanes = tl.arange(0, BLOCK_LANES)
+    heads = tl.arange(0, BLOCK_H)
+    partner = tl.where(lanes < HALF, lanes + HALF, lanes - HALF)  # padding lanes (>= R) pick a lane that exists
+    lane_mask = lanes < HEAD_DIM
+    cos3 = cos[:, None, :]
+    sin3 = sin[:, None, :]
     for head_start in range(0, n_heads, BLOCK_H):
-        x = _load_rows(X, x_token_offset, token_mask, head_start, n_heads, stride_x_head, HEAD_DIM, BLOCK_LANES,
-                       BLOCK_H)  # fmt: skip
-        _store_rotated_rows(OUT, x, out_token_offset, token_mask, head_start, n_heads, stride_out_head, cos, sin,
-                            HALF, HEAD_DIM, BLOCK_LANES, BLOCK_H)  # fmt: skip
+        head = head_start + heads
+        mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & lane_mask[None, None, :]
+        x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
+        o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
+        x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+        partner_index = tl.broadcast_to(partner[None, None, :], (x.shape[0], x.shape[1], x.shape[2]))
+        x_partner = tl.gather(x, partner_index, axis=2)
+        tl.store(OUT + o_off, (x * cos3 + x_partner * sin3).to(OUT.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -290,7 +254,6 @@ def _rope_kernel(
     ALIGN: tl.constexpr,  # largest power of two (<= 16) dividing every token/head stride, in elements
     CONJUGATE: tl.constexpr,  # rotate by -angle: the backward pass (the rotation is orthogonal)
     COPY_PASS: tl.constexpr,  # R < D: copy the pass-through lanes in the same pass
-    LOADS_FIRST: tl.constexpr,  # row tiles whose q and k heads fit one block each: load both before the positions
     USE_LIBDEVICE: tl.constexpr,  # precise sin/cos (full range reduction, positions up to 1e5+); False in interpreter
 ):
     HALF: tl.constexpr = ROTARY_DIM // 2
@@ -299,15 +262,6 @@ def _rope_kernel(
     token_mask = tokens < n_tokens
     batch = (tokens // seq_len).to(tl.int64)
     seq = (tokens % seq_len).to(tl.int64)
-    q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
-    qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
-    k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
-    ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
-    if LOADS_FIRST:  # row tiles, every head of q and of k in one block: both in flight before positions and sin/cos
-        q_rows = _load_rows(Q, q_offset, token_mask, 0, n_heads_q, stride_q_head * ALIGN, HEAD_DIM, BLOCK_LANES,
-                            BLOCK_HQ)  # fmt: skip
-        k_rows = _load_rows(K, k_offset, token_mask, 0, n_heads_k, stride_k_head * ALIGN, HEAD_DIM, BLOCK_LANES,
-                            BLOCK_HK)  # fmt: skip
 
     pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
     pos_0 = tl.load(POS + pos_offset, mask=token_mask, other=0).to(tl.float32)
@@ -340,12 +294,11 @@ def _rope_kernel(
     else:
         cos_tail, sin_tail = cos, sin  # unused
 
-    if LOADS_FIRST:
-        _store_rotated_rows(Q_OUT, q_rows, qo_offset, token_mask, 0, n_heads_q, stride_qo_head * ALIGN, cos, sin,
-                            HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ)  # fmt: skip
-        _store_rotated_rows(K_OUT, k_rows, ko_offset, token_mask, 0, n_heads_k, stride_ko_head * ALIGN, cos, sin,
-                            HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HK)  # fmt: skip
-    elif TILE == 1:
+    q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
+    qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
+    k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
+    ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
+    if TILE == 1:
         _rotate_rows(
             Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
             cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ,
@@ -395,13 +348,6 @@ def tile_lanes(tile: int, rotary_dim: int) -> tuple[int, int]:
     return triton.next_power_of_2(half), 0
 
 
-def default_loads_first(tile: int) -> bool:
-    """Whether a tile loads q and k before the positions and their sin/cos (when every head fits one block). A
-    one-token program's q and k loads otherwise wait behind the positions' load and the sin/cos that depends on it:
-    two DRAM latencies in a row instead of one. Row tiles only (ViT D=72): the half tiles are at the copy floor."""
-    return tile == TILE_ROWS
-
-
 def default_launch_config(
     n_heads_q: int, n_heads_k: int, block_lanes: int, pass_lanes: int
 ) -> tuple[int, int, int, int]:
@@ -442,7 +388,7 @@ class LaunchPlan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def launch_plan(
     q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, dtypes,
-    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, tile=None, loads_first=None,
+    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, tile=None,
 ):  # fmt: skip
     """The launch plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and strides;
     k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's kernels are
@@ -475,11 +421,6 @@ def launch_plan(
     ]
     align = _largest_pow2_dividing(tensor_strides, _MAX_ALIGN)
     block_t = block_t or default_block_t
-    # Row tiles that hold every head in one block load q and k first (issue order: see `default_loads_first`).
-    fits_one_block = n_heads_q <= block_hq and n_heads_k <= block_hk
-    if loads_first is None:
-        loads_first = default_loads_first(tile)
-    loads_first = loads_first and tile == TILE_ROWS and fits_one_block
     grid = (triton.cdiv(n_tokens, block_t),)
     scalars = (
         n_tokens, seq_len, n_heads_q, n_heads_k,
@@ -491,7 +432,7 @@ def launch_plan(
         ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, TILE=tile,
         BLOCK_LANES=block_lanes, BLOCK_TAIL=block_tail, BLOCK_PASS=block_pass,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
-        CONJUGATE=conjugate, COPY_PASS=copy_pass, LOADS_FIRST=loads_first,
+        CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
     )  # fmt: skip
     return LaunchPlan(grid, scalars, constexprs, num_warps or default_warps, {})
@@ -566,7 +507,6 @@ def rope_launch(
     block_t: int | None = None,
     num_warps: int | None = None,
     tile: int | None = None,
-    loads_first: bool | None = None,
 ) -> None:
     """Rotate q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
 
@@ -574,12 +514,11 @@ def rope_launch(
     stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
     inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D. sections: the three mRoPE sections as a
     tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
-    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT) / loads_first override the heuristics (benchmark
-    sweeps only).
+    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT) override the heuristics (benchmark sweeps only).
     """
     plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
         (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
-        sections, conjugate, block_t, num_warps, tile, loads_first,
+        sections, conjugate, block_t, num_warps, tile,
     )  # fmt: skip
     launch(plan, q, k, q_out, k_out, positions, inv_freq, float(scaling))

@@ -12,6 +12,8 @@ Rows per case:
   apply function, then `apply_mrope` / `apply_vision_rope` and the autograd.Function), fwd+bwd through autograd;
 - ours_kernels_only: the same forward and backward kernels launched back to back without autograd;
 - hf_eager, torch_compile (of HF's apply, fullgraph), liger, copy_floor; every row also as × the floor;
+- copy_floor_function: the floor's copies as a Python autograd.Function through the engine (the stack's `CopyFloor`
+  called once): the host cost any such op pays per call, beside ours;
 - mechanism_autograd_function / mechanism_triton_op: the same launches through the product's autograd.Function or
   through a torch.library.triton_op with registered autograd, bare (no validation, no dispatcher): which is lighter.
 Layer-stack rows, `<impl>_stack` for ours_as_trained, hf_eager, torch_compile, liger and copy_floor: the rows above
@@ -308,6 +310,11 @@ def run_case(case: Case, n_tokens: int, layers: int, rows: list[dict], sweep: bo
         rows.append(_row(case.name, impl, t_fwd, t_fb, moved_bytes))
         if impl == "ours_as_trained":
             rows[-1]["fwdbwd_device_us"] = _device_fwdbwd_us(f"{case.name} {impl}", fn, inputs, impl_grads)
+    # The copy floor's bytes through a Python autograd.Function and the engine, per call: what any such op pays.
+    t_fwd, t_fb = _timed(f"{case.name} copy_floor_function", CopyFloor.apply, (q, k), x["grads"])
+    rows.append(_row(case.name, "copy_floor_function", t_fwd, t_fb, moved_bytes))
+    rows[-1]["fwdbwd_device_us"] = _device_fwdbwd_us(f"{case.name} copy_floor_function", CopyFloor.apply, (q, k),
+                                                     x["grads"])  # fmt: skip
     fwd, fwd_bwd = _kernels_only(case, x)
     rows.append(_row(case.name, "ours_kernels_only", bench_ms(fwd), bench_ms(fwd_bwd), moved_bytes))
     with torch.no_grad():
@@ -424,8 +431,8 @@ _TILE_NAMES = {triton_rope.TILE_HALVES: "half", triton_rope.TILE_ROWS: "row", tr
 
 def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     """Forward time of launcher variants (BLOCK_T, num_warps, and the tile kinds: half tiles; for R == D row
-    tiles, also with q and k loaded in program order, `_loads_late`; where R/2 is not a power of two split half
-    tiles), to tune the heuristics; the default is the row marked `default`."""
+    tiles; where R/2 is not a power of two split half tiles), to tune the heuristics; the default is the row marked
+    `default`."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
@@ -435,19 +442,16 @@ def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     tiles = [triton_rope.TILE_HALVES]
     tiles += [triton_rope.TILE_ROWS] if case.rotary_dim == case.head_dim else []
     tiles += [triton_rope.TILE_SPLIT] if half & (half - 1) else []
-    configs = [(None, None, None, None)] + [
-        (bt, w, tile, None) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+    configs = [(None, None, None)] + [
+        (bt, w, tile) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
     ]
-    if triton_rope.TILE_ROWS in tiles:  # row tiles load q and k first by default: also the loads in program order
-        configs += [(1, 2, triton_rope.TILE_ROWS, False), (1, 4, triton_rope.TILE_ROWS, False)]
-    for block_t, warps, tile, loads_first in configs:
+    for block_t, warps, tile in configs:
         t = bench_ms(
-            lambda bt=block_t, w=warps, tile=tile, early=loads_first: triton_rope.rope_launch(
-                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile, early
+            lambda bt=block_t, w=warps, tile=tile: triton_rope.rope_launch(
+                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile
             )
         )
         name = "default" if block_t is None else f"bt{block_t}_w{warps}_{_TILE_NAMES[tile]}"
-        name += "_loads_late" if loads_first is False else ""
         rows.append({"case": case.name, "impl": f"sweep_{name}", "fwd_us": t * 1e3})
 
 

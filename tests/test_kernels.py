@@ -351,34 +351,6 @@ def test_launcher_writes_every_output_element(layout, head_dim, inv_len, section
     assert_matches(k_out, ref[1], "k")
 
 
-@pytest.mark.parametrize(("heads_q", "heads_k", "loads_first"), [(5, 3, None), (5, 3, False), (20, 17, None)])
-def test_row_tiles_load_first_or_block_by_block_alike(heads_q, heads_k, loads_first):
-    """ViT D=72 row tiles: with every head of q and k in one block both load before the positions (LOADS_FIRST, the
-    default); forced off, or with more heads than a block holds (20 > 16), they rotate block by block. Every path
-    writes every element and equals the reference."""
-    torch.manual_seed(5)
-    n_tokens, head_dim = 13, 72
-    q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(n_tokens, heads_k, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-    positions = torch.randint(0, 100, (n_tokens, 2), device=DEVICE)
-    inv_freq = torch.rand(head_dim // 4, device=DEVICE)
-    plan = triton_rope.launch_plan(
-        q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-        (q.dtype, k.dtype, q.dtype, k.dtype, positions.dtype, inv_freq.dtype), head_dim // 4,
-        triton_rope.LAYOUT_VISION, (0, 0, 0), False, loads_first=loads_first,
-    )  # fmt: skip
-    assert plan.constexprs["TILE"] == ROWS
-    assert plan.constexprs["LOADS_FIRST"] == (loads_first is None and heads_q <= 16)
-    triton_rope.rope_launch(
-        q, k, q_out, k_out, positions, inv_freq, triton_rope.LAYOUT_VISION, (0, 0, 0), 1.0, False,
-        loads_first=loads_first,
-    )  # fmt: skip
-    ref = apply_vision_rope_reference(q.float(), k.float(), positions, inv_freq)
-    assert_matches(q_out, ref[0], "q")
-    assert_matches(k_out, ref[1], "k")
-
-
 # Compiles `_rope_kernel` for Hopper (sm_90) on the CPU, as `launch` would specialize it (16-byte aligned tensors),
 # in a process without TRITON_INTERPRET (under it `triton.jit` gives interpreted functions, which do not compile),
 # and prints, per case, the counts of each kind of global load and store in the PTX.
