@@ -34,9 +34,12 @@ comparison.json:
       tokens_per_s_spread (max-min over median); <key>_ratio for those three (ratio of medians to the baseline);
       gpu_busy (median over runs), host_bound (any run flagged); peak_mem_gib, loss_end, pack_efficiency,
       timed_steps, fused_rope (first finished run); max_abs_dloss_vs_baseline, same_data_as_baseline (first runs,
-      null for a padded run against a packed baseline); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
+      null for a padded run against a packed baseline); max_abs_dloss_repeats (the largest |Δloss| of a later
+      repeat against the variant's first run: the run-to-run noise a gap between variants is read against, null
+      with one run); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
       gpu_busy, host_bound, run_dir, wandb_dir, wall_s}]}},
-  ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float},
+  ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float,
+      "fused repeats max |dloss|" and "unfused repeats max |dloss|": float or null (their noise)},
   curves {variant: metrics.jsonl training records of its first finished run}
 
 Variants (train.py overrides they set):
@@ -379,6 +382,15 @@ def max_abs_loss_gap(a: RunResult, b: RunResult) -> float | None:
     return max(gaps) if gaps else None
 
 
+def repeat_loss_noise(runs: list[RunResult]) -> float | None:
+    """The largest |Δloss| of any later repeat against the first: same recipe, seed and batches, so what separates
+    them is the GPU's run-to-run nondeterminism (atomics in backward kernels, autotuning) grown through the steps.
+    None with one run."""
+    gaps = [max_abs_loss_gap(later, runs[0]) for later in runs[1:]]
+    gaps = [gap for gap in gaps if gap is not None]
+    return max(gaps) if gaps else None
+
+
 def same_data(a: RunResult, b: RunResult) -> bool:
     """Whether two runs saw the same batches: identical per-step pack efficiency (real tokens / budget) at every
     step, which differs as soon as one step's batch does."""
@@ -429,6 +441,7 @@ def variant_numbers(runs: list[RunResult], warmup: int) -> dict:
         "pack_efficiency": _mean([r["pack_efficiency"] for r in first.records if r["step"] > warmup]),
         "timed_steps": first.summary["timed_steps"],
         "fused_rope": first.summary["fused_rope"],
+        "max_abs_dloss_repeats": repeat_loss_noise(runs),
         "runs": per_run,
     }
 
@@ -454,6 +467,8 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
     if "fused" in rows and "unfused" in rows:
         named["fused/unfused tokens/s"] = _ratio(rows["fused"], rows["unfused"])
         named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"][0], by_name["unfused"][0])
+        named["fused repeats max |dloss|"] = rows["fused"]["max_abs_dloss_repeats"]
+        named["unfused repeats max |dloss|"] = rows["unfused"]["max_abs_dloss_repeats"]
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
     if "fused" in rows and "compiled" in rows:
@@ -486,8 +501,8 @@ def table(comparison: dict) -> str:
     baseline = comparison["baseline"]
     lines = [
         f"| variant | runs | tokens/s/GPU (median, min–max) | × {baseline} | step time (s) | MFU "
-        f"| GPU busy | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| GPU busy | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} | max \\|Δloss\\| of its repeats |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for name, row in comparison["variants"].items():
         mfu = None if row["mfu"] is None else 100 * row["mfu"]
@@ -499,7 +514,8 @@ def table(comparison: dict) -> str:
             f"({_fmt(row['tokens_per_s_min'], ',.0f')}–{_fmt(row['tokens_per_s_max'], ',.0f')}) "
             f"| {_fmt(row['tokens_per_s_per_gpu_ratio'], '.3f')} "
             f"| {_fmt(row['step_time_s'], '.3f')} | {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} "
-            f"| {busy} | {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} |"
+            f"| {busy} | {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} "
+            f"| {_fmt(row['max_abs_dloss_repeats'], '.2e')} |"
         )
     return "\n".join(lines)
 

@@ -235,6 +235,32 @@ def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
     assert "repeats allow 0.865–1.312" in compare.ratio_lines(comparison["ratios"])
 
 
+def test_repeats_give_the_run_to_run_loss_noise_a_gap_is_read_against():
+    """A variant's repeats see the same batches; the largest |Δloss| of a later repeat against its first run is
+    the noise floor beside the fused-vs-unfused gap (in the row, the ratios and the table); one run has none."""
+    efficiency = [0.9, 0.8, 0.9, 0.9]
+    results = [
+        _result("fused", [5.0, 4.0, 3.0, 2.0], efficiency, 120.0, repeat=1),
+        _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 100.0, repeat=1),
+        _result("fused", [5.0, 4.0, 3.1, 1.7], efficiency, 121.0, repeat=2),
+        _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 101.0, repeat=2),
+        _result("fused", [5.0, 4.05, 3.0, 2.0], efficiency, 119.0, repeat=3),
+    ]
+    comparison = compare.compare(results, "unfused", warmup=1)
+    fused, unfused = comparison["variants"]["fused"], comparison["variants"]["unfused"]
+    assert fused["max_abs_dloss_repeats"] == pytest.approx(0.3)  # repeat 2 at step 4
+    assert unfused["max_abs_dloss_repeats"] == 0.0
+    ratios = comparison["ratios"]
+    assert ratios["fused vs unfused max |dloss|"] == pytest.approx(0.5)
+    assert ratios["fused repeats max |dloss|"] == pytest.approx(0.3)
+    assert ratios["unfused repeats max |dloss|"] == 0.0
+    assert "| 3.00e-01 |" in compare.table(comparison)
+
+    alone = compare.compare(results[:2], "unfused", warmup=1)
+    assert alone["variants"]["fused"]["max_abs_dloss_repeats"] is None
+    assert alone["ratios"]["fused repeats max |dloss|"] is None
+
+
 def test_variant_selection_refuses_bad_requests():
     """Unknown or repeated variants are errors; Liger is left out, with the reason, where it cannot apply; one
     runnable variant is measured alone (its repeats' spread), none is an error."""
