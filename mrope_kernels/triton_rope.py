@@ -42,8 +42,6 @@ RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "
 TILE_HALVES = 0  # lanes [0, R/2) and their partners [R/2, R), each half padded to a power of two (`_rotate_heads`)
 TILE_ROWS = 1  # the whole row [0, R), padded, the partner lane gathered in registers (`_rotate_rows`; R == D only)
 TILE_SPLIT = 2  # halves as a power-of-two part and its tail, R/2 = 36 as 32 + 4: no padded lanes (`_rotate_heads`)
-TILE_FLAT = 3  # a token's heads as one flat run of whole heads, 14 x 72 lanes in 1024 (`_rotate_flat`; R == D and
-# heads contiguous only)
 
 # Elements per (tokens × heads × half-lanes) tile. Swept on an H200 at 16k tokens (BLOCK_T 1-16, 2-8 warps): one
 # token per program with all heads (1024 half-lane elements, 2 warps) was fastest in four of the five anchor cases,
@@ -136,8 +134,7 @@ def _rotate_rows(
 ):
     """Rotate whole heads (R == D) as one row each: out[l] = x[l] cos[l] + x[l ± R/2] sin[l].
 
-    Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes) and a token's heads are not
-    contiguous (else `_rotate_flat`, which pads less): split into halves, the second
+    Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
     half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
     whole 16-byte vectors, and each lane's partner (l ± R/2) is gathered from the loaded row in registers
     (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.17x the copy floor on
@@ -159,70 +156,6 @@ def _rotate_rows(
         partner_index = tl.broadcast_to(partner[None, None, :], (x.shape[0], x.shape[1], x.shape[2]))
         x_partner = tl.gather(x, partner_index, axis=2)
         tl.store(OUT + o_off, (x * cos3 + x_partner * sin3).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotate_flat_run(
-    X,
-    OUT,
-    x_run_offset,  # (BLOCK_T,) int64 offset of each token's run (its first head of the run) in X
-    out_run_offset,  # (BLOCK_T,) int64, same for OUT
-    token_mask,  # (BLOCK_T,)
-    n_elements,  # elements of the run: whole heads, <= BLOCK
-    cos,  # (BLOCK_T, BLOCK_LANES) fp32 per lane of a head, as for `_rotate_rows`
-    sin,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    """Rotate a run of whole, contiguous heads as one flat vector per token: element f is lane f % D of its head,
-    its partner f ± R/2 and its cos/sin lane are gathered in registers from the loaded run and the per-lane cos/sin."""
-    flat = tl.arange(0, BLOCK)
-    lane = flat % HEAD_DIM
-    partner = tl.minimum(tl.where(lane < HALF, flat + HALF, flat - HALF), BLOCK - 1)  # padding slots stay in range
-    mask = token_mask[:, None] & (flat < n_elements)[None, :]
-    x = tl.load(X + x_run_offset[:, None] + flat[None, :], mask=mask, other=0.0).to(tl.float32)
-    x_partner = tl.gather(x, tl.broadcast_to(partner[None, :], x.shape), axis=1)
-    lane_index = tl.broadcast_to(lane[None, :], x.shape)
-    cos_flat = tl.gather(cos, lane_index, axis=1)
-    sin_flat = tl.gather(sin, lane_index, axis=1)
-    out = x * cos_flat + x_partner * sin_flat
-    tl.store(OUT + out_run_offset[:, None] + flat[None, :], out.to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _rotate_flat(
-    X,
-    OUT,
-    x_token_offset,  # (BLOCK_T,) int64 offset of each token's first element in X
-    out_token_offset,  # (BLOCK_T,) int64, same for OUT
-    token_mask,  # (BLOCK_T,)
-    n_heads,
-    cos,
-    sin,
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_FLAT: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
-):
-    """Rotate every head of the token block (R == D, heads contiguous: head h at h * D) in runs of the most whole
-    heads a BLOCK_FLAT tile holds (14 of D = 72 in 1024: 98% of the tile's slots carry data, where a row tile pads
-    72 lanes to 128), then the heads left over in a BLOCK_TAIL tile."""
-    GROUP: tl.constexpr = BLOCK_FLAT // HEAD_DIM
-    n_groups = n_heads // GROUP
-    for group in range(0, n_groups):
-        start = group * (GROUP * HEAD_DIM)
-        _rotate_flat_run(
-            X, OUT, x_token_offset + start, out_token_offset + start, token_mask, GROUP * HEAD_DIM, cos, sin,
-            HALF, HEAD_DIM, BLOCK_FLAT,
-        )  # fmt: skip
-    if BLOCK_TAIL > 0:
-        start = n_groups * (GROUP * HEAD_DIM)
-        n_rest = (n_heads - n_groups * GROUP) * HEAD_DIM
-        _rotate_flat_run(
-            X, OUT, x_token_offset + start, out_token_offset + start, token_mask, n_rest, cos, sin, HALF, HEAD_DIM,
-            BLOCK_TAIL,
-        )  # fmt: skip
 
 
 @triton.jit
@@ -310,12 +243,10 @@ def _rope_kernel(
     SECTION_2: tl.constexpr,
     ROTARY_DIM: tl.constexpr,  # constexpr so the x2 = x + R/2 offset is a known multiple and loads vectorize
     HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr,  # TILE_HALVES, TILE_ROWS, TILE_SPLIT or TILE_FLAT: how a tile covers a head's rotary lanes
-    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows, and flat tiles' cos/sin) padded to a power
-    # of two, or R/2's largest power of two (split)
-    BLOCK_TAIL: tl.constexpr,  # split: the rest of R/2, padded to a power of two; flat: the left-over heads' tile
-    # (0 where there is no rest)
-    BLOCK_FLAT: tl.constexpr,  # flat: the tile of a run of whole heads (0 for the other tiles)
+    TILE: tl.constexpr,  # TILE_HALVES, TILE_ROWS or TILE_SPLIT: how a tile covers a head's rotary lanes
+    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows) padded to a power of two, or R/2's
+    # largest power of two (split)
+    BLOCK_TAIL: tl.constexpr,  # split: the rest of R/2, padded to a power of two (0 for the other tiles)
     BLOCK_PASS: tl.constexpr,  # D - R padded to a power of two (pass-through lanes)
     BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -340,9 +271,9 @@ def _rope_kernel(
     else:
         pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
 
-    # A row tile spans both halves: lane l and l + R/2 share frequency lane l. So do a flat tile's per-lane cos/sin.
+    # A row tile spans both halves: lane l and l + R/2 share frequency lane l.
     lanes = tl.arange(0, BLOCK_LANES)
-    if TILE == 1 or TILE == 3:
+    if TILE == 1:
         freq_lane = tl.where(lanes < HALF, lanes, lanes - HALF)
         lane_mask = lanes < ROTARY_DIM
     else:
@@ -352,7 +283,7 @@ def _rope_kernel(
         freq_lane, lane_mask, pos_0, pos_1, pos_2, INV_FREQ, scaling,
         LAYOUT, SECTION_0, SECTION_1, SECTION_2, HALF, CONJUGATE, USE_LIBDEVICE,
     )  # fmt: skip
-    if TILE == 1 or TILE == 3:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
+    if TILE == 1:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
         sin = tl.where(lanes[None, :] < HALF, -sin, sin)
     if TILE == 2:
         tail = BLOCK_LANES + tl.arange(0, BLOCK_TAIL)
@@ -367,14 +298,7 @@ def _rope_kernel(
     qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
     k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
     ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
-    if TILE == 3:
-        _rotate_flat(
-            Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, cos, sin, HALF, HEAD_DIM, BLOCK_FLAT, BLOCK_TAIL
-        )  # fmt: skip
-        _rotate_flat(
-            K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, cos, sin, HALF, HEAD_DIM, BLOCK_FLAT, BLOCK_TAIL
-        )  # fmt: skip
-    elif TILE == 1:
+    if TILE == 1:
         _rotate_rows(
             Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
             cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ,
@@ -403,37 +327,25 @@ def _largest_pow2_dividing(values: list[int], cap: int) -> int:
     return align
 
 
-def default_tile(rotary_dim: int, head_dim: int, element_size: int, heads_contiguous: bool) -> int:
-    """The tile kind. Where the rotary half (R/2 elements) is not a whole number of 16-byte vectors, so the second
-    half would start mid-vector (ViT D=72 in bf16): TILE_FLAT when every tensor holds a token's heads contiguously
-    (its runs of whole heads fill 98% of a tile, against the row tile's 56%), else TILE_ROWS. Otherwise
-    TILE_HALVES: two half tiles are at the copy floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT
-    (no padded lanes) timed as the row tile for ViT 16x72 on an H200 (forward 53.3 µs on 4 warps against 53.4 on
-    2), so it stays a sweep option."""
+def default_tile(rotary_dim: int, head_dim: int, element_size: int) -> int:
+    """The tile kind: TILE_ROWS only when the rotary half (R/2 elements) is not a whole number of 16-byte vectors,
+    so the second half would start mid-vector (ViT D=72 in bf16), else TILE_HALVES: two half tiles are at the copy
+    floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT (no padded lanes) times the same as the row
+    tile for ViT 16x72 on an H200 (forward 53.3 µs on 4 warps against 53.4 on 2), so it stays a sweep option."""
     if rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0:
-        return TILE_FLAT if heads_contiguous else TILE_ROWS
+        return TILE_ROWS
     return TILE_HALVES
 
 
 def tile_lanes(tile: int, rotary_dim: int) -> tuple[int, int]:
-    """(BLOCK_LANES, BLOCK_TAIL) of a tile kind: the power-of-two lane counts its aranges span (a flat tile's
-    BLOCK_TAIL depends on the head counts: `flat_blocks`)."""
+    """(BLOCK_LANES, BLOCK_TAIL) of a tile kind: the power-of-two lane counts its aranges span."""
     half = rotary_dim // 2
-    if tile in (TILE_ROWS, TILE_FLAT):
+    if tile == TILE_ROWS:
         return triton.next_power_of_2(rotary_dim), 0
     if tile == TILE_SPLIT and half & (half - 1):  # R/2 not a power of two: its largest one, then the rest
         main = 1 << (half.bit_length() - 1)
         return main, triton.next_power_of_2(half - main)
     return triton.next_power_of_2(half), 0
-
-
-def flat_blocks(n_heads_q: int, n_heads_k: int, head_dim: int) -> tuple[int, int]:
-    """(BLOCK_FLAT, BLOCK_TAIL) of a flat tile: runs of BLOCK_FLAT // D whole heads in a _TILE_ELEMENTS tile (one
-    head's tile where a head is longer), and the tile of the heads q or k has left over (0 where neither has)."""
-    block_flat = max(_TILE_ELEMENTS, triton.next_power_of_2(head_dim))
-    group = block_flat // head_dim
-    rest = max(n_heads_q % group, n_heads_k % group)
-    return block_flat, triton.next_power_of_2(rest * head_dim) if rest else 0
 
 
 def default_launch_config(
@@ -488,32 +400,15 @@ def launch_plan(
     n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
     rotary_dim = 4 * half_or_quarter if layout == LAYOUT_VISION else 2 * half_or_quarter
     copy_pass = rotary_dim < head_dim
-    # A tensor of one head has no second head to be contiguous with
-    heads_contiguous = all(
-        stride == head_dim or n_heads == 1
-        for stride, n_heads in zip(
-            (q_strides[-2], k_strides[-2], q_out_strides[-2], k_out_strides[-2]),
-            (n_heads_q, n_heads_k, n_heads_q, n_heads_k),
-        )
-    )
     if tile is None:
-        tile = default_tile(rotary_dim, head_dim, dtypes[0].itemsize, heads_contiguous)
-    if tile in (TILE_ROWS, TILE_FLAT) and rotary_dim < head_dim:
-        raise ValueError("row and flat tiles rotate whole heads: they need R == D")
-    if tile == TILE_FLAT and not heads_contiguous:
-        head_strides = (q_strides[-2], k_strides[-2], q_out_strides[-2], k_out_strides[-2])
-        raise ValueError(f"flat tiles need each token's heads contiguous (head stride {head_dim}), got {head_strides}")
+        tile = default_tile(rotary_dim, head_dim, dtypes[0].itemsize)
+    if tile == TILE_ROWS and rotary_dim < head_dim:
+        raise ValueError("row tiles rotate whole heads: they need R == D")
     block_lanes, block_tail = tile_lanes(tile, rotary_dim)
     block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
-    block_flat = 0
-    if tile == TILE_FLAT:
-        block_flat, block_tail = flat_blocks(n_heads_q, n_heads_k, head_dim)
-        # One run's tile is the widest a program holds, as a head-tile of one head that wide
-        default_block_t, block_hq, block_hk, default_warps = default_launch_config(1, 1, block_flat, 0)
-    else:
-        default_block_t, block_hq, block_hk, default_warps = default_launch_config(
-            n_heads_q, n_heads_k, block_lanes, block_pass if copy_pass else 0
-        )
+    default_block_t, block_hq, block_hk, default_warps = default_launch_config(
+        n_heads_q, n_heads_k, block_lanes, block_pass if copy_pass else 0
+    )
     tensor_strides = [
         s
         for shape, strides in (
@@ -535,7 +430,7 @@ def launch_plan(
     constexprs = dict(
         LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
         ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, TILE=tile,
-        BLOCK_LANES=block_lanes, BLOCK_TAIL=block_tail, BLOCK_FLAT=block_flat, BLOCK_PASS=block_pass,
+        BLOCK_LANES=block_lanes, BLOCK_TAIL=block_tail, BLOCK_PASS=block_pass,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
         CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
@@ -619,8 +514,7 @@ def rope_launch(
     stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
     inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D. sections: the three mRoPE sections as a
     tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
-    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT, TILE_FLAT) override the heuristics (benchmark
-    sweeps only).
+    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT) override the heuristics (benchmark sweeps only).
     """
     plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),

@@ -426,18 +426,13 @@ def _layout(case: Case) -> int:
 
 
 # The sweep's name for each tile kind
-_TILE_NAMES = {
-    triton_rope.TILE_HALVES: "half",
-    triton_rope.TILE_ROWS: "row",
-    triton_rope.TILE_SPLIT: "split",
-    triton_rope.TILE_FLAT: "flat",
-}
+_TILE_NAMES = {triton_rope.TILE_HALVES: "half", triton_rope.TILE_ROWS: "row", triton_rope.TILE_SPLIT: "split"}
 
 
 def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     """Forward time of launcher variants (BLOCK_T, num_warps, and the tile kinds: half tiles; for R == D row
-    and flat tiles (the benchmark's q and k hold a token's heads contiguously); where R/2 is not a power of two
-    split half tiles), to tune the heuristics; the default is the row marked `default`."""
+    tiles; where R/2 is not a power of two split half tiles), to tune the heuristics; the default is the row marked
+    `default`."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
@@ -445,7 +440,7 @@ def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     qo, ko = torch.empty_like(q), torch.empty_like(k)
     half = case.rotary_dim // 2
     tiles = [triton_rope.TILE_HALVES]
-    tiles += [triton_rope.TILE_ROWS, triton_rope.TILE_FLAT] if case.rotary_dim == case.head_dim else []
+    tiles += [triton_rope.TILE_ROWS] if case.rotary_dim == case.head_dim else []
     tiles += [triton_rope.TILE_SPLIT] if half & (half - 1) else []
     configs = [(None, None, None)] + [
         (bt, w, tile) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]

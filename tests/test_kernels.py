@@ -307,7 +307,6 @@ def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_
 
 
 HALVES, ROWS, SPLIT = triton_rope.TILE_HALVES, triton_rope.TILE_ROWS, triton_rope.TILE_SPLIT
-FLAT = triton_rope.TILE_FLAT
 
 
 @pytest.mark.parametrize(
@@ -320,22 +319,19 @@ FLAT = triton_rope.TILE_FLAT
         (triton_rope.LAYOUT_INTERLEAVED, 256, 36, (12, 12, 12), SPLIT, torch.float32),
         (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), ROWS, torch.bfloat16),
         (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), SPLIT, torch.bfloat16),
-        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), FLAT, torch.bfloat16),
         (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), HALVES, torch.float32),
         (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), ROWS, torch.bfloat16),
         (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), SPLIT, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), FLAT, torch.bfloat16),
         (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), ROWS, torch.float16),
         (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), SPLIT, torch.float16),
-        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), FLAT, torch.float16),
         (triton_rope.LAYOUT_VISION, 56, 14, (0, 0, 0), SPLIT, torch.float32),
     ],
 )
 def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, tile, dtype):
     """Into NaN-poisoned outputs, the launcher writes every element (rotary and pass-through lanes) of every
-    head and token, with half tiles, row tiles, split half tiles (R/2 = 20, 36, 28 as a power of two and a tail
-    of 4, 4, 12) and flat tiles (5 and 3 heads: all in the left-over tile; forced here even where the heuristic
-    would not pick them): no NaN survives and the result equals the reference."""
+    head and token, with half tiles, row tiles and split half tiles (R/2 = 20, 36, 28 as a power of two and a tail
+    of 4, 4, 12; forced here even where the heuristic would not pick them): no NaN survives and the result equals
+    the reference."""
     torch.manual_seed(4)
     n_tokens, heads_q, heads_k = 29, 5, 3
     q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=dtype)
@@ -353,43 +349,6 @@ def test_launcher_writes_every_output_element(layout, head_dim, inv_len, section
     triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, tile=tile)
     assert_matches(q_out, ref[0], "q")
     assert_matches(k_out, ref[1], "k")
-
-
-@pytest.mark.parametrize(
-    ("heads_q", "heads_k", "head_dim", "block_t"),
-    [(16, 15, 72, 1), (30, 2, 40, 2), (28, 28, 72, 4), (3, 1, 1032, 1)],
-    ids=["vit 16/15x72", "30/2x40 two tokens", "28x72 whole runs only", "one head wider than the tile"],
-)
-def test_flat_tiles_rotate_whole_runs_and_the_heads_left_over(heads_q, heads_k, head_dim, block_t):
-    """Flat tiles rotate runs of whole heads (14 of D = 72, 25 of D = 40 per 1024-slot tile), then q's and k's
-    left-over heads in one smaller tile, or none where the runs cover every head (28 = 2 x 14); a head wider than
-    the tile gets a tile of its own width. Into NaN-poisoned outputs, every element equals the reference, with
-    several tokens per program where the launch asks for them."""
-    torch.manual_seed(5)
-    n_tokens = 7
-    q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    k = torch.randn(n_tokens, heads_k, head_dim, device=DEVICE, dtype=torch.bfloat16)
-    inv_freq = torch.rand(head_dim // 4, device=DEVICE)
-    positions = torch.randint(0, 100, (n_tokens, 2), device=DEVICE)
-    q_out, k_out = torch.full_like(q, float("nan")), torch.full_like(k, float("nan"))
-    triton_rope.rope_launch(
-        q, k, q_out, k_out, positions, inv_freq, triton_rope.LAYOUT_VISION, (0, 0, 0), 1.0, False, block_t, 2, FLAT
-    )
-    ref = apply_vision_rope_reference(q.float(), k.float(), positions, inv_freq)
-    assert_matches(q_out, ref[0], "q")
-    assert_matches(k_out, ref[1], "k")
-
-
-def test_flat_tiles_refuse_heads_that_are_not_contiguous():
-    """A flat run reads a token's heads as one vector: a head stride other than D is refused, not misread."""
-    q = torch.randn(4, 3, 80, device=DEVICE)[..., :72]
-    k = torch.randn(4, 3, 72, device=DEVICE)
-    positions = torch.zeros(4, 2, dtype=torch.long, device=DEVICE)
-    with pytest.raises(ValueError, match="flat tiles need each token's heads contiguous"):
-        triton_rope.rope_launch(
-            q, k, torch.empty_like(k), torch.empty_like(k), positions, torch.rand(18, device=DEVICE),
-            triton_rope.LAYOUT_VISION, (0, 0, 0), 1.0, False, tile=FLAT,
-        )  # fmt: skip
 
 
 # Compiles `_rope_kernel` for Hopper (sm_90) on the CPU, as `launch` would specialize it (16-byte aligned tensors),
@@ -434,15 +393,14 @@ print(json.dumps(accesses))
 
 
 def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
-    """ViT 16x72's four tile kinds compile for the H200's sm_90 (Triton 3.6 aborted on an earlier split tile's
+    """ViT 16x72's three tile kinds compile for the H200's sm_90 (Triton 3.6 aborted on an earlier split tile's
     gather) and move q and k in vectors, never one bf16 element (16 bits) at a time: 16-byte vectors for the row
-    and flat tiles, 8-byte ones for the halves that start mid-vector. A head stride of 73 elements, whose rows cannot be
+    tile, 8-byte ones for the halves that start mid-vector. A head stride of 73 elements, whose rows cannot be
     aligned, is the control that shows the count can fail."""
     cases = [
         ("rows", 16, 72, 72, triton_rope.TILE_ROWS),
         ("halves", 16, 72, 72, triton_rope.TILE_HALVES),
         ("split", 16, 72, 72, triton_rope.TILE_SPLIT),
-        ("flat", 16, 72, 72, triton_rope.TILE_FLAT),
         ("unaligned split", 16, 72, 73, triton_rope.TILE_SPLIT),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -453,10 +411,9 @@ def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     accesses = json.loads(result.stdout.splitlines()[-1])
-    for name in ("rows", "halves", "split", "flat"):
+    for name in ("rows", "halves", "split"):
         assert not any(kind.endswith(".b16") for kind in accesses[name]), (name, accesses[name])
-    assert accesses["rows"].get("ld.global.v4.b32") and accesses["flat"].get("ld.global.v4.b32")
-    assert accesses["split"].get("ld.global.v2.b32")
+    assert accesses["rows"].get("ld.global.v4.b32") and accesses["split"].get("ld.global.v2.b32")
     assert any(kind.endswith(".b16") for kind in accesses["unaligned split"]), accesses["unaligned split"]
 
 
@@ -468,7 +425,7 @@ SWEEP_BEST = [
     ("qwen3-vl text 32/8x128", 32, 8, 128, 128, triton_rope.LAYOUT_INTERLEAVED, (1, 2, triton_rope.TILE_HALVES)),
     ("qwen3.5 text 24/4x256 rot64", 24, 4, 256, 64, triton_rope.LAYOUT_INTERLEAVED, (1, 4, triton_rope.TILE_HALVES)),
     ("vit 16x80", 16, 16, 80, 80, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_HALVES)),
-    ("vit 16x72", 16, 16, 72, 72, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_FLAT)),
+    ("vit 16x72", 16, 16, 72, 72, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_ROWS)),
 ]
 
 
@@ -489,26 +446,6 @@ def test_default_launch_configs_are_the_h200_sweeps_best(heads_q, heads_k, head_
         sections, False,
     )  # fmt: skip
     assert (plan.constexprs["BLOCK_T"], plan.num_warps, plan.constexprs["TILE"]) == best
-
-
-def test_vit_72_takes_flat_tiles_where_a_tokens_heads_are_contiguous_else_row_tiles():
-    """ViT D=72 in bf16: q and k unbound from the attention's fused qkv projection ((T, 3, H, D) permuted: a token
-    stride of 3HD, heads contiguous) take flat tiles; a head stride other than D in any tensor, a gradient's
-    layout for one, takes row tiles, which read each head on its own."""
-    dtypes = (torch.bfloat16,) * 4 + (torch.int64, torch.float32)
-    shape, dense = (1024, 16, 72), (16 * 72, 72, 1)
-    from_qkv = (3 * 16 * 72, 72, 1)
-    spread = (16 * 80, 80, 1)
-
-    def tile(q_strides, q_out_strides):
-        plan = triton_rope.launch_plan(
-            shape, q_strides, shape, q_strides, q_out_strides, dense, (1, 2), dtypes, 18, triton_rope.LAYOUT_VISION,
-            (0, 0, 0), False,
-        )  # fmt: skip
-        return plan.constexprs["TILE"]
-
-    assert tile(from_qkv, dense) == tile(dense, dense) == FLAT
-    assert tile(spread, dense) == tile(dense, spread) == ROWS
 
 
 def test_cached_launch_plans_and_checks_follow_the_signature():
