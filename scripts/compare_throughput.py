@@ -36,10 +36,14 @@ comparison.json:
       timed_steps, fused_rope (first finished run); max_abs_dloss_vs_baseline, same_data_as_baseline (first runs,
       null for a padded run against a packed baseline); max_abs_dloss_repeats (the largest |Δloss| of a later
       repeat against the variant's first run: the run-to-run noise a gap between variants is read against, null
-      with one run); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
+      with one run); dloss_repeat_pairs and dloss_vs_baseline_pairs ({median, max, pairs} of the max |Δloss| of
+      every pair of its repeats, and of every pair of one of its runs and one of the baseline's; null without a
+      pair); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
       gpu_busy, host_bound, run_dir, wandb_dir, wall_s}]}},
   ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float,
-      "fused repeats max |dloss|" and "unfused repeats max |dloss|": float or null (their noise)},
+      "fused repeats max |dloss|" and "unfused repeats max |dloss|": float or null (their noise),
+      "fused vs unfused |dloss|, every pair", "fused repeats |dloss|, every pair" and the unfused one:
+      {median, max, pairs} or null: the gap between variants and the noise over every pair, not one draw},
   curves {variant: metrics.jsonl training records of its first finished run}
 
 Variants (train.py overrides they set):
@@ -74,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import math
 import os
@@ -391,6 +396,15 @@ def repeat_loss_noise(runs: list[RunResult]) -> float | None:
     return max(gaps) if gaps else None
 
 
+def pair_gaps(pairs) -> dict | None:
+    """max |Δloss| of each pair of runs, summarized: {median, max, pairs}; None without a pair that shares a step.
+    Over every pair, not one draw: on the Qwen3.5 shape (12 steps from random init, 3 runs of each variant) one
+    fused/unfused pair's gap ranged 0.033-0.118 over the six pairs whose curves were kept (docs/benchmarks.md,
+    twenty-fourth session)."""
+    gaps = [gap for gap in (max_abs_loss_gap(a, b) for a, b in pairs) if gap is not None]
+    return {"median": statistics.median(gaps), "max": max(gaps), "pairs": len(gaps)} if gaps else None
+
+
 def same_data(a: RunResult, b: RunResult) -> bool:
     """Whether two runs saw the same batches: identical per-step pack efficiency (real tokens / budget) at every
     step, which differs as soon as one step's batch does."""
@@ -442,6 +456,7 @@ def variant_numbers(runs: list[RunResult], warmup: int) -> dict:
         "timed_steps": first.summary["timed_steps"],
         "fused_rope": first.summary["fused_rope"],
         "max_abs_dloss_repeats": repeat_loss_noise(runs),
+        "dloss_repeat_pairs": pair_gaps(itertools.combinations(runs, 2)),
         "runs": per_run,
     }
 
@@ -463,12 +478,20 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
         peer = base if (name == "padded") == (baseline == "padded") else None
         row["max_abs_dloss_vs_baseline"] = None if peer is None else max_abs_loss_gap(by_name[name][0], peer)
         row["same_data_as_baseline"] = None if peer is None else same_data(by_name[name][0], peer)
+        row["dloss_vs_baseline_pairs"] = (
+            None if peer is None or name == baseline else pair_gaps(itertools.product(by_name[name], by_name[baseline]))
+        )
     named = {}
     if "fused" in rows and "unfused" in rows:
         named["fused/unfused tokens/s"] = _ratio(rows["fused"], rows["unfused"])
         named["fused vs unfused max |dloss|"] = max_abs_loss_gap(by_name["fused"][0], by_name["unfused"][0])
         named["fused repeats max |dloss|"] = rows["fused"]["max_abs_dloss_repeats"]
         named["unfused repeats max |dloss|"] = rows["unfused"]["max_abs_dloss_repeats"]
+        named["fused vs unfused |dloss|, every pair"] = pair_gaps(
+            itertools.product(by_name["fused"], by_name["unfused"])
+        )
+        named["fused repeats |dloss|, every pair"] = rows["fused"]["dloss_repeat_pairs"]
+        named["unfused repeats |dloss|, every pair"] = rows["unfused"]["dloss_repeat_pairs"]
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
     if "fused" in rows and "compiled" in rows:
@@ -523,7 +546,9 @@ def table(comparison: dict) -> str:
 def ratio_lines(ratios: dict) -> str:
     lines = []
     for name, value in ratios.items():
-        if isinstance(value, dict):
+        if isinstance(value, dict) and "pairs" in value:
+            lines.append(f"- {name}: median {value['median']:.4g}, max {value['max']:.4g} ({value['pairs']} pairs)")
+        elif isinstance(value, dict):
             lines.append(f"- {name}: {value['median']:.3f} (repeats allow {value['min']:.3f}–{value['max']:.3f})")
         else:
             lines.append(f"- {name}: {_fmt(value, '.4g')}")

@@ -261,6 +261,40 @@ def test_repeats_give_the_run_to_run_loss_noise_a_gap_is_read_against():
     assert alone["ratios"]["fused repeats max |dloss|"] is None
 
 
+def test_loss_gaps_over_every_pair_of_runs():
+    """Beside the first runs' one draw, the gap between variants over every (fused run, unfused run) pair and the
+    noise over every pair of a variant's repeats, each as median, max and count; one run has no pair."""
+    efficiency = [0.9, 0.8, 0.9, 0.9]
+    results = [
+        _result("fused", [5.0, 4.0, 3.0, 2.0], efficiency, 120.0, repeat=1),
+        _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 100.0, repeat=1),
+        _result("fused", [5.0, 4.0, 3.1, 1.7], efficiency, 121.0, repeat=2),
+        _result("unfused", [5.0, 4.0, 3.25, 2.5], efficiency, 101.0, repeat=2),
+        _result("fused", [5.0, 4.05, 3.0, 2.0], efficiency, 119.0, repeat=3),
+    ]
+    comparison = compare.compare(results, "unfused", warmup=1)
+    ratios, rows = comparison["ratios"], comparison["variants"]
+    assert ratios["fused vs unfused max |dloss|"] == pytest.approx(0.5)  # the first runs alone
+    # fused runs 1 and 3 differ from each unfused run by 0.5 at step 4, fused run 2 by 0.8
+    cross = ratios["fused vs unfused |dloss|, every pair"]
+    assert cross == {"median": pytest.approx(0.5), "max": pytest.approx(0.8), "pairs": 6}
+    assert rows["fused"]["dloss_vs_baseline_pairs"] == cross
+    assert rows["unfused"]["dloss_vs_baseline_pairs"] is None
+    # fused 1-2: 0.3 (step 4), 1-3: 0.05 (step 2), 2-3: 0.3 (step 4)
+    fused_noise = ratios["fused repeats |dloss|, every pair"]
+    assert fused_noise == {"median": pytest.approx(0.3), "max": pytest.approx(0.3), "pairs": 3}
+    assert rows["unfused"]["dloss_repeat_pairs"] == {
+        "median": pytest.approx(0.05),
+        "max": pytest.approx(0.05),
+        "pairs": 1,
+    }
+    assert "- fused vs unfused |dloss|, every pair: median 0.5, max 0.8 (6 pairs)" in compare.ratio_lines(ratios)
+
+    alone = compare.compare(results[:2], "unfused", warmup=1)
+    assert alone["ratios"]["fused repeats |dloss|, every pair"] is None
+    assert alone["ratios"]["fused vs unfused |dloss|, every pair"]["pairs"] == 1
+
+
 def test_variant_selection_refuses_bad_requests():
     """Unknown or repeated variants are errors; Liger is left out, with the reason, where it cannot apply; one
     runnable variant is measured alone (its repeats' spread), none is an error."""
