@@ -235,17 +235,23 @@ def test_repeats_give_medians_spread_ratio_ranges_and_host_bound_flags():
     assert "repeats allow 0.865–1.312" in compare.ratio_lines(comparison["ratios"])
 
 
-def test_repeats_give_the_run_to_run_loss_noise_a_gap_is_read_against():
-    """A variant's repeats see the same batches; the largest |Δloss| of a later repeat against its first run is
-    the noise floor beside the fused-vs-unfused gap (in the row, the ratios and the table); one run has none."""
+def _alternating_repeats(unfused_repeat_step_3: float) -> list[compare.RunResult]:
+    """Three fused runs and two unfused ones, alternating, on the same batches; the second unfused run's loss at
+    step 3 is the argument (3.2: the same as its first)."""
     efficiency = [0.9, 0.8, 0.9, 0.9]
-    results = [
+    return [
         _result("fused", [5.0, 4.0, 3.0, 2.0], efficiency, 120.0, repeat=1),
         _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 100.0, repeat=1),
         _result("fused", [5.0, 4.0, 3.1, 1.7], efficiency, 121.0, repeat=2),
-        _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 101.0, repeat=2),
+        _result("unfused", [5.0, 4.0, unfused_repeat_step_3, 2.5], efficiency, 101.0, repeat=2),
         _result("fused", [5.0, 4.05, 3.0, 2.0], efficiency, 119.0, repeat=3),
     ]
+
+
+def test_repeats_give_the_run_to_run_loss_noise_a_gap_is_read_against():
+    """A variant's repeats see the same batches; the largest |Δloss| of a later repeat against its first run is
+    the noise floor beside the fused-vs-unfused gap (in the row, the ratios and the table); one run has none."""
+    results = _alternating_repeats(unfused_repeat_step_3=3.2)
     comparison = compare.compare(results, "unfused", warmup=1)
     fused, unfused = comparison["variants"]["fused"], comparison["variants"]["unfused"]
     assert fused["max_abs_dloss_repeats"] == pytest.approx(0.3)  # repeat 2 at step 4
@@ -264,14 +270,7 @@ def test_repeats_give_the_run_to_run_loss_noise_a_gap_is_read_against():
 def test_loss_gaps_over_every_pair_of_runs():
     """Beside the first runs' one draw, the gap between variants over every (fused run, unfused run) pair and the
     noise over every pair of a variant's repeats, each as median, max and count; one run has no pair."""
-    efficiency = [0.9, 0.8, 0.9, 0.9]
-    results = [
-        _result("fused", [5.0, 4.0, 3.0, 2.0], efficiency, 120.0, repeat=1),
-        _result("unfused", [5.0, 4.0, 3.2, 2.5], efficiency, 100.0, repeat=1),
-        _result("fused", [5.0, 4.0, 3.1, 1.7], efficiency, 121.0, repeat=2),
-        _result("unfused", [5.0, 4.0, 3.25, 2.5], efficiency, 101.0, repeat=2),
-        _result("fused", [5.0, 4.05, 3.0, 2.0], efficiency, 119.0, repeat=3),
-    ]
+    results = _alternating_repeats(unfused_repeat_step_3=3.25)
     comparison = compare.compare(results, "unfused", warmup=1)
     ratios, rows = comparison["ratios"], comparison["variants"]
     assert ratios["fused vs unfused max |dloss|"] == pytest.approx(0.5)  # the first runs alone
