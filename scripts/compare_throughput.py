@@ -39,7 +39,8 @@ comparison.json:
       with one run); dloss_repeat_pairs and dloss_vs_baseline_pairs ({median, max, pairs} of the max |Δloss| of
       every pair of its repeats, and of every pair of one of its runs and one of the baseline's; null without a
       pair); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
-      gpu_busy, host_bound, run_dir, wandb_dir, wall_s}]}},
+      gpu_busy, host_bound, run_dir, wandb_dir, wall_s, losses ([step, loss] of every step it logged: any pair's
+      gap recomputes from the JSON alone)}]}},
   ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float,
       "fused repeats max |dloss|" and "unfused repeats max |dloss|": float or null (their noise),
       "fused vs unfused |dloss|, every pair", "fused repeats |dloss|, every pair" and the unfused one:
@@ -431,6 +432,7 @@ def run_numbers(result: RunResult, warmup: int) -> dict:
         "run_dir": str(result.run_dir),
         "wandb_dir": summary.get("wandb_dir"),
         "wall_s": result.wall_s,
+        "losses": [[r["step"], r["loss"]] for r in result.records],
     }
 
 

@@ -288,6 +288,7 @@ def test_loss_gaps_over_every_pair_of_runs():
         "pairs": 1,
     }
     assert "- fused vs unfused |dloss|, every pair: median 0.5, max 0.8 (6 pairs)" in compare.ratio_lines(ratios)
+    assert rows["fused"]["runs"][1]["losses"] == [[1, 5.0], [2, 4.0], [3, 3.1], [4, 1.7]]
 
     alone = compare.compare(results[:2], "unfused", warmup=1)
     assert alone["ratios"]["fused repeats |dloss|, every pair"] is None
