@@ -89,6 +89,7 @@ import statistics
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -397,7 +398,7 @@ def repeat_loss_noise(runs: list[RunResult]) -> float | None:
     return max(gaps) if gaps else None
 
 
-def pair_gaps(pairs) -> dict | None:
+def pair_gaps(pairs: Iterable[tuple[RunResult, RunResult]]) -> dict | None:
     """max |Δloss| of each pair of runs, summarized: {median, max, pairs}; None without a pair that shares a step.
     Over every pair, not one draw: on the Qwen3.5 shape (12 steps from random init, 3 runs of each variant) one
     fused/unfused pair's gap ranged 0.033-0.118 over the six pairs whose curves were kept (docs/benchmarks.md,
