@@ -6,14 +6,15 @@ every attention layer unpacks `cos, sin = position_embeddings` and calls the mod
 through it:
 
 - each rotary module instance gets a `forward` that returns `(positions, args)` instead of `(cos, sin)`: the
-  integer positions and a small frozen record with what the kernel needs (inv_freq, mrope sections, layout,
-  attention_scaling). Nothing is materialized; the record carries the config, so two differently-configured
-  models of one family can be patched at once.
+  integer positions and a small record with what the kernel needs: for text inv_freq, mrope sections, layout and
+  attention_scaling (nothing materialized); for vision the (T, D) fp32 cos/sin table of `ops.vision_rope_table`,
+  built once per tower forward and read by every block, forward and backward. The record carries the config, so
+  two differently-configured models of one family can be patched at once.
 - the family's module-global apply functions are replaced by dispatchers that call `apply_mrope` /
   `apply_vision_rope` when handed such a record, and the original function otherwise (an unpatched model of the
   same family keeps working). The originals come back when the last patched model of the family is unpatched.
 - Qwen2.5-VL's vision tower reorders the rotary tables into window order with `permute_input_for_window_attn`;
-  its instance gets a version that reorders the positions and passes the record through.
+  its instance gets a version that reorders the positions and the record's table rows alike.
 
 The patch refuses (PatchError) anything it cannot reproduce exactly, validates everything before changing
 anything, and records what it replaced on the model so `unpatch_model` restores the original objects.
@@ -72,13 +73,14 @@ class MRopeArgs:
 
 
 class VisionRopeArgs:
-    """What vision attention needs for `apply_vision_rope`; travels in the `sin` slot next to the integer
-    [row, col] positions (N, 2). inv_freq: fp32 (head_dim/4,). A plain class for the reason MRopeArgs is."""
+    """What vision attention needs for `apply_vision_rope_table`; travels in the `sin` slot next to the integer
+    [row, col] positions (N, 2). table: fp32 (N, head_dim), `ops.vision_rope_table` of those positions. A plain
+    class for the reason MRopeArgs is (a cast would round the table)."""
 
-    __slots__ = ("inv_freq",)
+    __slots__ = ("table",)
 
-    def __init__(self, inv_freq: torch.Tensor):
-        self.inv_freq = inv_freq
+    def __init__(self, table: torch.Tensor):
+        self.table = table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,18 +325,20 @@ def _vision_rotary_forward(path: str, module: torch.nn.Module) -> tuple[types.Me
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, VisionRopeArgs]:
         """x: the patch embeddings (device only); position_ids: int (N, 2) [row, col]. Returns the positions
-        and the kernel arguments in place of (cos, sin)."""
-        return position_ids, VisionRopeArgs(inv_freq=self.inv_freq.to(device=x.device, dtype=torch.float32))
+        and their cos/sin table in place of (cos, sin): one table per tower forward, for every block."""
+        inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float32)
+        return position_ids, VisionRopeArgs(ops.vision_rope_table(position_ids, inv_freq))
 
     return types.MethodType(forward, module), f"vision 2-D rope, D={head_dim}"
 
 
 def _permute_passing_rope_args(self, input_tensor, window_index: torch.Tensor, seq_len: int):
-    """Qwen2.5-VL's window reorder for the patched tower: positions (N, 2) reorder like any per-patch tensor
-    (exactly as the cos/sin tables did); the kernel arguments are per model, not per patch, and pass through."""
+    """Qwen2.5-VL's window reorder for the patched tower: positions (N, 2) and the record's table (N, D) reorder
+    like any per-patch tensor (exactly as the cos/sin tables did)."""
+    permute = type(self).permute_input_for_window_attn
     if isinstance(input_tensor, VisionRopeArgs):
-        return input_tensor
-    return type(self).permute_input_for_window_attn(self, input_tensor, window_index, seq_len)
+        return VisionRopeArgs(permute(self, input_tensor.table, window_index, seq_len))
+    return permute(self, input_tensor, window_index, seq_len)
 
 
 def _attention_classes_calling(model: torch.nn.Module, family: Family, function_names: list[str]) -> tuple[str, ...]:
@@ -406,10 +410,10 @@ def _make_text_apply(original):
 def _make_vision_apply(original):
     def apply_rotary_pos_emb_vision(q, k, cos, sin):
         """Fused stand-in for transformers' vision apply. q, k (N, H, D); cos: int positions (N, 2) [row, col];
-        sin: VisionRopeArgs. Returns (q, k) rotated, dtype of the inputs (fp32 math, as transformers)."""
+        sin: VisionRopeArgs, their table. Returns (q, k) rotated, dtype of the inputs (fp32 math, as transformers)."""
         if not isinstance(sin, VisionRopeArgs):
             return original(q, k, cos, sin)
-        return ops.apply_vision_rope(q, k, cos, sin.inv_freq)
+        return ops.apply_vision_rope_table(q, k, sin.table)
 
     apply_rotary_pos_emb_vision.original = original
     return apply_rotary_pos_emb_vision

@@ -80,3 +80,15 @@ def apply_vision_rope_reference(
     emb = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (T, 1, D)
     cos, sin = emb.cos(), emb.sin()
     return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def rotate_by_vision_table_reference(
+    q: torch.Tensor, k: torch.Tensor, table: torch.Tensor, conjugate: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Vision 2-D rope by a (T, D) `ops.vision_rope_table` (cos in columns [0, D/2), sin in [D/2, D)): the same
+    rotation as `apply_vision_rope_reference`, by -angle when conjugate."""
+    half = table.shape[-1] // 2
+    cos, sin = table[:, :half], table[:, half:]
+    sin = -sin if conjugate else sin
+    cos, sin = (torch.cat((t, t), dim=-1).unsqueeze(-2) for t in (cos, sin))  # (T, 1, D)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)

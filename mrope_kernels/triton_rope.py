@@ -1,16 +1,23 @@
-"""Fused rotary kernel (Triton) and its launcher: text mRoPE (chunked / interleaved, partial rotary) and the
-2-D vision rope, q and k in one launch, forward and backward (the backward is the forward with the angle negated).
+"""Fused rotary kernels (Triton) and their launcher, q and k in one launch, forward and backward (the backward is the
+forward with the angle negated):
 
-One program owns a block of tokens and every head of q and k: it reads the tokens' integer positions, computes
-cos/sin in fp32 once per (token, lane of its tile) and reuses them for all heads. No cos/sin table exists anywhere.
-Rotate-half pairing: lane j (< R/2) pairs with lane j + R/2; lanes [R, D) are copied.
+- `_rope_kernel`, text mRoPE (chunked / interleaved sections, partial rotary). One program owns a block of tokens
+  and every head of q and k: it reads the tokens' integer positions, computes cos/sin in fp32 once per (token, lane)
+  and reuses them for all heads. No cos/sin table exists. Rotate-half pairing: lane j (< R/2) pairs with lane
+  j + R/2; lanes [R, D) are copied.
+- `_vision_table_kernel`, the ViT 2-D rope, from a per-token fp32 cos/sin table (`ops.vision_rope_table`: the
+  tower builds it once per forward for all its blocks, forward and backward). Dense q and k run as one flat run of
+  elements; strided ones (the qkv projection's views) by token and head strides, a power-of-two chunk of each
+  token's elements per program. The partner lane (l ± D/2) is loaded again (an L1 hit): no padded lanes, where the
+  text kernel's half tiles would pad D = 72's 36-lane halves to 64.
 
-The launcher derives grid, strides and constexprs once per input signature (`launch_plan`). The first launch of each
-specialization (plan, device, every tensor's 16-byte alignment) goes through Triton's JIT, which binds and
-specializes the arguments, finds or compiles the kernel and launches it, ~50 µs of host time per call on an H200
-host with Triton 3.6; the launcher keeps the compiled kernel it returns and launches it directly from then on, as
-the JIT's own last step does (`launch`). So a repeated call costs a dict hit or two and the driver's launch. Launch
-hooks (profilers), Triton's debug and instrumentation modes and the interpreter keep the JIT path on every call.
+The launcher derives grid, strides and constexprs once per input signature (`launch_plan`, `vision_launch_plan`).
+The first launch of each specialization (plan, device, every tensor's 16-byte alignment) goes through Triton's
+JIT, which binds and specializes the arguments, finds or compiles the kernel and launches it, ~50 µs of host time
+per call on an H200 host with Triton 3.6; the launcher keeps the compiled kernel it returns and launches it
+directly from then on, as the JIT's own last step does (`launch`). So a repeated call costs a dict hit or two and
+the driver's launch. Launch hooks (profilers), Triton's debug and instrumentation modes and the interpreter keep
+the JIT path on every call.
 
 This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
 """
@@ -33,22 +40,23 @@ from triton.runtime import driver
 # Lane → (position axis, frequency index) layouts, selected at compile time.
 LAYOUT_CHUNKED = 0  # Qwen2/2.5-VL: lanes [0,s0) temporal, [s0,s0+s1) height, rest width; frequency index = lane
 LAYOUT_INTERLEAVED = 1  # Qwen3-VL / 3.5: lane j height if j%3==1 and j<3*s1, width if j%3==2 and j<3*s2, else temporal
-LAYOUT_VISION = 2  # ViT 2-D: lanes [0,R/4) row, [R/4,R/2) column; the frequency index restarts per axis
+LAYOUT_VISION = 2  # ViT 2-D: lanes [0,D/4) row, [D/4,D/2) column; the frequency index restarts per axis (the table's)
 
 # The interpreter runs on CPU tensors with numpy and knows nothing of libdevice; triton decides this at import time.
 RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# How a program's tile covers the rotary lanes of a head (the `TILE` constexpr):
-TILE_HALVES = 0  # lanes [0, R/2) and their partners [R/2, R), each half padded to a power of two (`_rotate_heads`)
-TILE_ROWS = 1  # the whole row [0, R), padded, the partner lane gathered in registers (`_rotate_rows`; R == D only)
-TILE_SPLIT = 2  # halves as a power-of-two part and its tail, R/2 = 36 as 32 + 4: no padded lanes (`_rotate_heads`)
-
-# Elements per (tokens × heads × half-lanes) tile. Swept on an H200 at 16k tokens (BLOCK_T 1-16, 2-8 warps): one
-# token per program with all heads (1024 half-lane elements, 2 warps) was fastest in four of the five anchor cases,
-# 3-7% over the copy floor for three of them (docs/benchmarks.md); larger tiles were 5-30% slower.
+# Elements per (tokens × heads × half-lanes) tile of `_rope_kernel`. Swept on an H200 at 16k tokens (BLOCK_T 1-16,
+# 2-8 warps): one token per program with all heads (1024 half-lane elements, 2 warps) was fastest in the text cases
+# but Qwen3.5's (below: 4 warps), near the copy floor (docs/benchmarks.md); larger tiles were 5-30% slower.
 _TILE_ELEMENTS = 1024
 _MAX_HEADS_PER_TILE = 16
 _MAX_ALIGN = 16  # element alignment hint cap (16 bf16 = 32 B, two 128-bit vectors)
+# `_vision_table_kernel`'s tile: ~2048 elements on 4 warps, the ViT 16x72 prototype's best on an H200 (43.0 µs forward
+# against the copy floor's 44.0; docs/benchmarks.md, twenty-fourth session). In the product's sweep (twenty-fifth
+# session, one round each) 1024 elements on 4 warps took 44.7 µs against this default's 46.7; chunks <= 1024.
+_VISION_TILE_ELEMENTS = 2048
+_VISION_MAX_CHUNK = 1024
+_VISION_WARPS = 4
 
 
 @triton.jit
@@ -73,19 +81,16 @@ def _rotate_heads(
     stride_out_head,
     cos,  # (BLOCK_T, BLOCK_HALF) fp32, attention scaling folded in
     sin,  # (BLOCK_T, BLOCK_HALF) fp32, negated for the conjugate (backward) rotation
-    cos_tail,  # (BLOCK_T, BLOCK_TAIL) fp32: lanes [BLOCK_HALF, R/2) when BLOCK_TAIL > 0 (else unused)
-    sin_tail,
     HALF: tl.constexpr,
     ROTARY_DIM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
-    BLOCK_TAIL: tl.constexpr,
     BLOCK_PASS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     COPY_PASS: tl.constexpr,
 ):
-    """Rotate lanes [0, R) of every head of the token block: lanes [0, BLOCK_HALF) of each half (all of it,
-    padded, when BLOCK_TAIL is 0), then its tail [BLOCK_HALF, R/2); copy lanes [R, D) when COPY_PASS."""
+    """Rotate lanes [0, R) of every head of the token block (each half padded to BLOCK_HALF lanes); copy lanes
+    [R, D) when COPY_PASS."""
     lanes = tl.arange(0, BLOCK_HALF)
     heads = tl.arange(0, BLOCK_H)
     lane_mask = lanes < HALF
@@ -97,12 +102,6 @@ def _rotate_heads(
         x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
         o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
         _rotate_pairs(X, OUT, x_off, o_off, mask, cos3, sin3, HALF)
-        if BLOCK_TAIL > 0:
-            tail = BLOCK_HALF + tl.arange(0, BLOCK_TAIL)
-            tail_mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & (tail < HALF)[None, None, :]
-            xt_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + tail[None, None, :]
-            ot_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + tail[None, None, :]
-            _rotate_pairs(X, OUT, xt_off, ot_off, tail_mask, cos_tail[:, None, :], sin_tail[:, None, :], HALF)
         if COPY_PASS:
             pass_lanes = tl.arange(0, BLOCK_PASS)
             pass_mask = token_mask[:, None, None] & (head < n_heads)[None, :, None]
@@ -116,53 +115,10 @@ def _rotate_heads(
 
 
 @triton.jit
-def _rotate_rows(
-    X,
-    OUT,
-    x_token_offset,  # (BLOCK_T,) int64 offset of each token's first element in X
-    out_token_offset,  # (BLOCK_T,) int64, same for OUT
-    token_mask,  # (BLOCK_T,)
-    n_heads,
-    stride_x_head,
-    stride_out_head,
-    cos,  # (BLOCK_T, BLOCK_LANES) fp32 per lane of the whole head
-    sin,  # (BLOCK_T, BLOCK_LANES) fp32, already negated on the first half (and again for CONJUGATE)
-    HALF: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_LANES: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-):
-    """Rotate whole heads (R == D) as one row each: out[l] = x[l] cos[l] + x[l ± R/2] sin[l].
-
-    Used when R/2 elements are not a multiple of 16 bytes (ViT D=72: 36 lanes): split into halves, the second
-    half starts mid-vector and both halves load and store in 8-byte pieces. Here the row load and the store are
-    whole 16-byte vectors, and each lane's partner (l ± R/2) is gathered from the loaded row in registers
-    (`tl.gather`), not loaded again. On an H200 (fwd+bwd at 16k tokens, 16 heads) this is 1.17x the copy floor on
-    2 warps (1.37x on 4); a second, per-lane-offset load of the row (a gather of 2-byte loads) was 1.44x, and two
-    constant-offset loads masked to one half each 1.64x (on 4 warps).
-    """
-    lanes = tl.arange(0, BLOCK_LANES)
-    heads = tl.arange(0, BLOCK_H)
-    partner = tl.where(lanes < HALF, lanes + HALF, lanes - HALF)  # padding lanes (>= R) pick a lane that exists
-    lane_mask = lanes < HEAD_DIM
-    cos3 = cos[:, None, :]
-    sin3 = sin[:, None, :]
-    for head_start in range(0, n_heads, BLOCK_H):
-        head = head_start + heads
-        mask = token_mask[:, None, None] & (head < n_heads)[None, :, None] & lane_mask[None, None, :]
-        x_off = x_token_offset[:, None, None] + (head * stride_x_head)[None, :, None] + lanes[None, None, :]
-        o_off = out_token_offset[:, None, None] + (head * stride_out_head)[None, :, None] + lanes[None, None, :]
-        x = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
-        partner_index = tl.broadcast_to(partner[None, None, :], (x.shape[0], x.shape[1], x.shape[2]))
-        x_partner = tl.gather(x, partner_index, axis=2)
-        tl.store(OUT + o_off, (x * cos3 + x_partner * sin3).to(OUT.dtype.element_ty), mask=mask)
-
-
-@triton.jit
 def _cos_sin(
     freq_lane,  # (L,) frequency lanes, < R/2 where lane_mask
     lane_mask,
-    pos_0,  # (BLOCK_T,) fp32 positions per axis (pos_2 unused by the vision layout)
+    pos_0,  # (BLOCK_T,) fp32 positions per axis
     pos_1,
     pos_2,
     INV_FREQ,
@@ -171,7 +127,6 @@ def _cos_sin(
     SECTION_0: tl.constexpr,
     SECTION_1: tl.constexpr,
     SECTION_2: tl.constexpr,
-    HALF: tl.constexpr,
     CONJUGATE: tl.constexpr,
     USE_LIBDEVICE: tl.constexpr,
 ):
@@ -179,22 +134,14 @@ def _cos_sin(
     for CONJUGATE. Lane → (axis, frequency index) is constexpr-driven, evaluated once per program."""
     if LAYOUT == 0:
         axis = (freq_lane >= SECTION_0).to(tl.int32) + (freq_lane >= SECTION_0 + SECTION_1).to(tl.int32)
-        freq_index = freq_lane
-    elif LAYOUT == 1:
+    else:
         is_height = ((freq_lane % 3) == 1) & (freq_lane < 3 * SECTION_1)
         is_width = ((freq_lane % 3) == 2) & (freq_lane < 3 * SECTION_2)
         axis = tl.where(is_height, 1, tl.where(is_width, 2, 0))
-        freq_index = freq_lane
-    else:
-        axis = (freq_lane >= HALF // 2).to(tl.int32)
-        freq_index = freq_lane - axis * (HALF // 2)
-    inv_freq = tl.load(INV_FREQ + freq_index, mask=lane_mask, other=0.0)
-    if LAYOUT == 2:
-        position = tl.where(axis[None, :] == 1, pos_1[:, None], pos_0[:, None])
-    else:
-        position = tl.where(
-            axis[None, :] == 1, pos_1[:, None], tl.where(axis[None, :] == 2, pos_2[:, None], pos_0[:, None])
-        )
+    inv_freq = tl.load(INV_FREQ + freq_lane, mask=lane_mask, other=0.0)
+    position = tl.where(
+        axis[None, :] == 1, pos_1[:, None], tl.where(axis[None, :] == 2, pos_2[:, None], pos_0[:, None])
+    )
     angle = position * inv_freq[None, :]  # fp32 product, as transformers computes it
     if USE_LIBDEVICE:
         cos = libdevice.cos(angle) * scaling
@@ -220,7 +167,7 @@ def _rope_kernel(
     n_heads_q,
     n_heads_k,
     # Token/head strides arrive divided by ALIGN and are multiplied back by the constexpr, so the compiler can prove
-    # every row start is ALIGN-aligned and emit 128-bit loads even when a stride is not a multiple of 16 (ViT D=72).
+    # every row start is ALIGN-aligned and emit 128-bit loads even when a stride is not a multiple of 16.
     stride_q_batch,
     stride_q_seq,
     stride_q_head,
@@ -243,10 +190,7 @@ def _rope_kernel(
     SECTION_2: tl.constexpr,
     ROTARY_DIM: tl.constexpr,  # constexpr so the x2 = x + R/2 offset is a known multiple and loads vectorize
     HEAD_DIM: tl.constexpr,
-    TILE: tl.constexpr,  # TILE_HALVES, TILE_ROWS or TILE_SPLIT: how a tile covers a head's rotary lanes
-    BLOCK_LANES: tl.constexpr,  # lanes per tile: R/2 (halves) or R (rows) padded to a power of two, or R/2's
-    # largest power of two (split)
-    BLOCK_TAIL: tl.constexpr,  # split: the rest of R/2, padded to a power of two (0 for the other tiles)
+    BLOCK_HALF: tl.constexpr,  # R/2 padded to a power of two
     BLOCK_PASS: tl.constexpr,  # D - R padded to a power of two (pass-through lanes)
     BLOCK_T: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
@@ -266,58 +210,101 @@ def _rope_kernel(
     pos_offset = batch * stride_pos_batch + seq * stride_pos_seq
     pos_0 = tl.load(POS + pos_offset, mask=token_mask, other=0).to(tl.float32)
     pos_1 = tl.load(POS + pos_offset + stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
-    if LAYOUT == 2:
-        pos_2 = pos_1  # the vision rope has two axes
-    else:
-        pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
-
-    # A row tile spans both halves: lane l and l + R/2 share frequency lane l.
-    lanes = tl.arange(0, BLOCK_LANES)
-    if TILE == 1:
-        freq_lane = tl.where(lanes < HALF, lanes, lanes - HALF)
-        lane_mask = lanes < ROTARY_DIM
-    else:
-        freq_lane = lanes
-        lane_mask = lanes < HALF
+    pos_2 = tl.load(POS + pos_offset + 2 * stride_pos_axis, mask=token_mask, other=0).to(tl.float32)
+    lanes = tl.arange(0, BLOCK_HALF)
     cos, sin = _cos_sin(
-        freq_lane, lane_mask, pos_0, pos_1, pos_2, INV_FREQ, scaling,
-        LAYOUT, SECTION_0, SECTION_1, SECTION_2, HALF, CONJUGATE, USE_LIBDEVICE,
+        lanes, lanes < HALF, pos_0, pos_1, pos_2, INV_FREQ, scaling,
+        LAYOUT, SECTION_0, SECTION_1, SECTION_2, CONJUGATE, USE_LIBDEVICE,
     )  # fmt: skip
-    if TILE == 1:  # rotate-half: the first half takes -x2 sin, the second +x1 sin
-        sin = tl.where(lanes[None, :] < HALF, -sin, sin)
-    if TILE == 2:
-        tail = BLOCK_LANES + tl.arange(0, BLOCK_TAIL)
-        cos_tail, sin_tail = _cos_sin(
-            tail, tail < HALF, pos_0, pos_1, pos_2, INV_FREQ, scaling,
-            LAYOUT, SECTION_0, SECTION_1, SECTION_2, HALF, CONJUGATE, USE_LIBDEVICE,
-        )  # fmt: skip
-    else:
-        cos_tail, sin_tail = cos, sin  # unused
 
     q_offset = batch * (stride_q_batch * ALIGN) + seq * (stride_q_seq * ALIGN)
     qo_offset = batch * (stride_qo_batch * ALIGN) + seq * (stride_qo_seq * ALIGN)
     k_offset = batch * (stride_k_batch * ALIGN) + seq * (stride_k_seq * ALIGN)
     ko_offset = batch * (stride_ko_batch * ALIGN) + seq * (stride_ko_seq * ALIGN)
-    if TILE == 1:
-        _rotate_rows(
-            Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
-            cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HQ,
-        )  # fmt: skip
-        _rotate_rows(
-            K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
-            cos, sin, HALF, HEAD_DIM, BLOCK_LANES, BLOCK_HK,
-        )  # fmt: skip
+    _rotate_heads(
+        Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
+        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HQ, COPY_PASS,
+    )  # fmt: skip
+    _rotate_heads(
+        K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
+        cos, sin, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_HALF, BLOCK_PASS, BLOCK_HK, COPY_PASS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _rotate_elements(X, OUT, x_offset, out_offset, mask, partner_shift, cos, sin):
+    """out = x cos + x[partner] sin at the given element offsets (any tile shape); `sin` carries rotate-half's sign."""
+    x = tl.load(X + x_offset, mask=mask, other=0.0).to(tl.float32)
+    x_partner = tl.load(X + x_offset + partner_shift, mask=mask, other=0.0).to(tl.float32)
+    tl.store(OUT + out_offset, (x * cos + x_partner * sin).to(OUT.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _vision_table_kernel(
+    Q,
+    K,
+    Q_OUT,
+    K_OUT,
+    TABLE,  # (T, D) fp32, contiguous: cos of frequency lane f at [t, f], its sin at [t, D/2 + f], f < D/2
+    n_tokens,
+    chunks_q,  # chunks of q's H_q · D elements per token, and of k's (tiled layout)
+    chunks_k,
+    # Token/head strides arrive divided by ALIGN and are multiplied back by the constexpr (as in `_rope_kernel`).
+    stride_q_seq,
+    stride_q_head,
+    stride_k_seq,
+    stride_k_head,
+    stride_qo_seq,
+    stride_qo_head,
+    stride_ko_seq,
+    stride_ko_head,
+    HEAD_DIM: tl.constexpr,
+    ROW: tl.constexpr,  # H_q · D
+    DENSE: tl.constexpr,  # q, k, q_out, k_out all dense (T, H, D) of one shape: one flat run of T · H · D elements
+    BLOCK_T: tl.constexpr,
+    CHUNK: tl.constexpr,  # a power of two dividing both H · D
+    ALIGN: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+):
+    """The ViT 2-D rope from a cos/sin table. A token's elements, heads one after another, are numbered c = head · D
+    + lane. DENSE: program p rotates flat elements [p · BLOCK_T · CHUNK, (p + 1) · BLOCK_T · CHUNK) of q and of k.
+    Else program (token block, chunk) rotates elements [chunk · CHUNK, (chunk + 1) · CHUNK) of the block's tokens,
+    addressed by token and head strides. The partner lane (rotate-half) is D/2 further in the first half, D/2 back
+    in the second."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid = tl.program_id(0)
+    if DENSE:
+        element = pid.to(tl.int64) * (BLOCK_T * CHUNK) + tl.arange(0, BLOCK_T * CHUNK)
+        tokens = element // ROW
+        mask = tokens < n_tokens
+        lane = element % HEAD_DIM
+        q_offset, k_offset, qo_offset, ko_offset = element, element, element, element
+        rotate_q, rotate_k = True, True
     else:
-        _rotate_heads(
-            Q, Q_OUT, q_offset, qo_offset, token_mask, n_heads_q, stride_q_head * ALIGN, stride_qo_head * ALIGN,
-            cos, sin, cos_tail, sin_tail, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_TAIL, BLOCK_PASS, BLOCK_HQ,
-            COPY_PASS,
-        )  # fmt: skip
-        _rotate_heads(
-            K, K_OUT, k_offset, ko_offset, token_mask, n_heads_k, stride_k_head * ALIGN, stride_ko_head * ALIGN,
-            cos, sin, cos_tail, sin_tail, HALF, ROTARY_DIM, HEAD_DIM, BLOCK_LANES, BLOCK_TAIL, BLOCK_PASS, BLOCK_HK,
-            COPY_PASS,
-        )  # fmt: skip
+        n_chunks = tl.maximum(chunks_q, chunks_k)
+        chunk = pid % n_chunks
+        token_block = (pid // n_chunks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        column = chunk * CHUNK + tl.arange(0, CHUNK)
+        head, lane_1d = column // HEAD_DIM, column % HEAD_DIM
+        tokens = token_block.to(tl.int64)[:, None] + tl.zeros_like(column)[None, :]  # (BLOCK_T, CHUNK)
+        lane = lane_1d[None, :] + tl.zeros_like(token_block)[:, None]
+        mask = tokens < n_tokens
+        q_offset = tokens * (stride_q_seq * ALIGN) + (head * (stride_q_head * ALIGN) + lane_1d)[None, :]
+        k_offset = tokens * (stride_k_seq * ALIGN) + (head * (stride_k_head * ALIGN) + lane_1d)[None, :]
+        qo_offset = tokens * (stride_qo_seq * ALIGN) + (head * (stride_qo_head * ALIGN) + lane_1d)[None, :]
+        ko_offset = tokens * (stride_ko_seq * ALIGN) + (head * (stride_ko_head * ALIGN) + lane_1d)[None, :]
+        rotate_q, rotate_k = chunk < chunks_q, chunk < chunks_k
+    first_half = lane < HALF
+    table_offset = tokens * HEAD_DIM + tl.where(first_half, lane, lane - HALF)
+    cos = tl.load(TABLE + table_offset, mask=mask, other=0.0)
+    sin = tl.load(TABLE + table_offset + HALF, mask=mask, other=0.0)
+    # rotate-half: the first half takes -x2 sin, the second +x1 sin; the conjugate (backward) flips both
+    sin = tl.where(first_half != CONJUGATE, -sin, sin)
+    partner_shift = tl.where(first_half, HALF, -HALF)
+    if rotate_q:
+        _rotate_elements(Q, Q_OUT, q_offset, qo_offset, mask, partner_shift, cos, sin)
+    if rotate_k:
+        _rotate_elements(K, K_OUT, k_offset, ko_offset, mask, partner_shift, cos, sin)
 
 
 def _largest_pow2_dividing(values: list[int], cap: int) -> int:
@@ -327,39 +314,17 @@ def _largest_pow2_dividing(values: list[int], cap: int) -> int:
     return align
 
 
-def default_tile(rotary_dim: int, head_dim: int, element_size: int) -> int:
-    """The tile kind: TILE_ROWS only when the rotary half (R/2 elements) is not a whole number of 16-byte vectors,
-    so the second half would start mid-vector (ViT D=72 in bf16), else TILE_HALVES: two half tiles are at the copy
-    floor (text D=128, ViT D=80) and handle partial rotary. TILE_SPLIT (no padded lanes) times the same as the row
-    tile for ViT 16x72 on an H200 (forward 53.3 µs on 4 warps against 53.4 on 2), so it stays a sweep option."""
-    if rotary_dim == head_dim and (rotary_dim // 2 * element_size) % 16 != 0:
-        return TILE_ROWS
-    return TILE_HALVES
-
-
-def tile_lanes(tile: int, rotary_dim: int) -> tuple[int, int]:
-    """(BLOCK_LANES, BLOCK_TAIL) of a tile kind: the power-of-two lane counts its aranges span."""
-    half = rotary_dim // 2
-    if tile == TILE_ROWS:
-        return triton.next_power_of_2(rotary_dim), 0
-    if tile == TILE_SPLIT and half & (half - 1):  # R/2 not a power of two: its largest one, then the rest
-        main = 1 << (half.bit_length() - 1)
-        return main, triton.next_power_of_2(half - main)
-    return triton.next_power_of_2(half), 0
-
-
 def default_launch_config(
-    n_heads_q: int, n_heads_k: int, block_lanes: int, pass_lanes: int
+    n_heads_q: int, n_heads_k: int, block_half: int, pass_lanes: int
 ) -> tuple[int, int, int, int]:
-    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps): ~_TILE_ELEMENTS per program's widest tile, the rotation tile
-    (`block_lanes` wide) or the pass-through copy (`pass_lanes`: 256 for Qwen3.5's 192 lanes), never under one token;
-    2 warps up to twice that, 4 above. The H200 sweep of 2026-12-02 (docs/benchmarks.md, sixteenth session): ViT
-    16x72's row tile (2048 elements) is 15% faster on 2 warps than on 4, and Qwen3.5's one-token tile with its
-    4096-element copy 9% faster than the two-token tile it had."""
+    """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of `_rope_kernel`: ~_TILE_ELEMENTS per program's widest tile, the
+    rotation tile (`block_half` wide) or the pass-through copy (`pass_lanes`: 256 for Qwen3.5's 192 lanes), never
+    under one token; 2 warps up to twice that, 4 above. The H200 sweep of 2026-12-02 (docs/benchmarks.md, sixteenth
+    session): Qwen3.5's one-token tile with its 4096-element copy 9% faster than the two-token tile it had."""
     block_hq = min(triton.next_power_of_2(n_heads_q), _MAX_HEADS_PER_TILE)
     block_hk = min(triton.next_power_of_2(n_heads_k), _MAX_HEADS_PER_TILE)
-    block_t = max(1, _TILE_ELEMENTS // (block_hq * max(block_lanes, pass_lanes)))
-    widest_tile = block_t * block_hq * max(block_lanes, pass_lanes)
+    block_t = max(1, _TILE_ELEMENTS // (block_hq * max(block_half, pass_lanes)))
+    widest_tile = block_t * block_hq * max(block_half, pass_lanes)
     return block_t, block_hq, block_hk, 2 if widest_tile <= 2 * _TILE_ELEMENTS else 4
 
 
@@ -368,18 +333,17 @@ def _batch_seq_head_strides(shape: tuple[int, ...], strides: tuple[int, ...]) ->
     return (0, *strides[:2]) if len(shape) == 3 else tuple(strides[:3])
 
 
-def _position_strides(strides: tuple[int, ...], layout: int) -> tuple[int, int, int]:
-    """(axis, batch, seq) strides of text (3, T) / (3, B, S) or vision (T, 2) positions."""
-    if layout == LAYOUT_VISION:
-        return strides[1], 0, strides[0]
+def _position_strides(strides: tuple[int, ...]) -> tuple[int, int, int]:
+    """(axis, batch, seq) strides of text positions (3, T) / (3, B, S)."""
     return (strides[0], 0, strides[1]) if len(strides) == 2 else tuple(strides)
 
 
 class LaunchPlan(NamedTuple):
-    """What launching `_rope_kernel` takes besides the six tensors and scaling, for one input signature."""
+    """What launching a kernel takes besides its tensors, for one input signature."""
 
+    kernel: triton.JITFunction  # `_rope_kernel` or `_vision_table_kernel`
     grid: tuple[int]
-    scalars: tuple[int, ...]  # the int arguments after the tensors: sizes and strides
+    scalars: tuple[int | float, ...]  # the arguments after the tensors: sizes, strides (and the rope's scaling)
     constexprs: dict[str, int | bool]
     num_warps: int
     kernels: dict  # `launch`'s store of this plan's compiled kernels, per specialization; empty at first
@@ -388,26 +352,23 @@ class LaunchPlan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def launch_plan(
     q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, dtypes,
-    half_or_quarter, layout, sections, conjugate, block_t=None, num_warps=None, tile=None,
+    half, layout, sections, scaling, conjugate, block_t=None, num_warps=None,
 ):  # fmt: skip
-    """The launch plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and strides;
-    k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's kernels are
-    compiled. Every argument is a shape, stride, dtype or flag, so the plan is exact for any tensors that share them.
-    `rope_launch` looks it up per call; `mrope_kernels.ops` keeps the plans it uses."""
+    """The `_rope_kernel` plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and
+    strides; k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's
+    kernels are compiled; half = len(inv_freq) = R/2; scaling: a float (an int would be specialized by the JIT,
+    == 1 even becomes a constexpr). Every argument is a shape, stride, dtype or flag, so the plan is exact for any
+    tensors that share them. `rope_launch` looks it up per call; `mrope_kernels.ops` keeps the plans it uses."""
     *lead, n_heads_q, head_dim = q_shape
     n_heads_k = k_shape[-2]
     seq_len = lead[-1]
     n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
-    rotary_dim = 4 * half_or_quarter if layout == LAYOUT_VISION else 2 * half_or_quarter
+    rotary_dim = 2 * half
     copy_pass = rotary_dim < head_dim
-    if tile is None:
-        tile = default_tile(rotary_dim, head_dim, dtypes[0].itemsize)
-    if tile == TILE_ROWS and rotary_dim < head_dim:
-        raise ValueError("row tiles rotate whole heads: they need R == D")
-    block_lanes, block_tail = tile_lanes(tile, rotary_dim)
+    block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
     default_block_t, block_hq, block_hk, default_warps = default_launch_config(
-        n_heads_q, n_heads_k, block_lanes, block_pass if copy_pass else 0
+        n_heads_q, n_heads_k, block_half, block_pass if copy_pass else 0
     )
     tensor_strides = [
         s
@@ -425,30 +386,60 @@ def launch_plan(
     scalars = (
         n_tokens, seq_len, n_heads_q, n_heads_k,
         *[s // align for s in tensor_strides],
-        *_position_strides(position_strides, layout),
+        *_position_strides(position_strides),
+        float(scaling),
     )  # fmt: skip
     constexprs = dict(
         LAYOUT=layout, SECTION_0=sections[0], SECTION_1=sections[1], SECTION_2=sections[2],
-        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, TILE=tile,
-        BLOCK_LANES=block_lanes, BLOCK_TAIL=block_tail, BLOCK_PASS=block_pass,
+        ROTARY_DIM=rotary_dim, HEAD_DIM=head_dim, BLOCK_HALF=block_half, BLOCK_PASS=block_pass,
         BLOCK_T=block_t, BLOCK_HQ=block_hq, BLOCK_HK=block_hk, ALIGN=align,
         CONJUGATE=conjugate, COPY_PASS=copy_pass,
         USE_LIBDEVICE=not RUNS_IN_INTERPRETER,
     )  # fmt: skip
-    return LaunchPlan(grid, scalars, constexprs, num_warps or default_warps, {})
+    return LaunchPlan(_rope_kernel, grid, scalars, constexprs, num_warps or default_warps, {})
 
 
-def launch(plan: LaunchPlan, q, k, q_out, k_out, positions, inv_freq, scaling: float) -> None:
-    """Launch `_rope_kernel` as `plan` says on tensors of its signature: through the JIT on a specialization's first
-    call, then directly with the CompiledKernel it returned (kept in `plan.kernels`). scaling: a float (an int would
-    be specialized by the JIT, == 1 even becomes a constexpr, beyond the key).
+@functools.lru_cache(maxsize=1024)
+def vision_launch_plan(
+    q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, dtypes, conjugate, block_t=None,
+    num_warps=None,
+):  # fmt: skip
+    """The `_vision_table_kernel` plan of one input signature: q, q_out (T, Hq, D) shape and strides, k, k_out
+    likewise; the dtypes of (q, k, q_out, k_out, table). Dense tensors of one shape run flat (the ViT prototype's
+    layout: 0.97-0.99x the copy floor on an H200); others by token and head strides, in chunks of the largest power
+    of two (<= 1024) dividing both H · D. Tiles of ~2048 elements on 4 warps."""
+    n_tokens, n_heads_q, head_dim = q_shape
+    row_q, row_k = n_heads_q * head_dim, k_shape[1] * head_dim
+    dense_strides = (row_q, head_dim, 1)
+    dense = tuple(q_shape) == tuple(k_shape) and all(
+        tuple(strides) == dense_strides for strides in (q_strides, k_strides, q_out_strides, k_out_strides)
+    )
+    chunk = _largest_pow2_dividing([row_q, row_k], _VISION_MAX_CHUNK)
+    chunks_q, chunks_k = row_q // chunk, row_k // chunk
+    tensor_strides = [s for strides in (q_strides, k_strides, q_out_strides, k_out_strides) for s in strides[:2]]
+    align = _largest_pow2_dividing(tensor_strides, _MAX_ALIGN)
+    block_t = block_t or max(1, _VISION_TILE_ELEMENTS // chunk)
+    if dense:
+        grid = (triton.cdiv(n_tokens * row_q, block_t * chunk),)
+    else:
+        grid = (triton.cdiv(n_tokens, block_t) * max(chunks_q, chunks_k),)
+    scalars = (n_tokens, chunks_q, chunks_k, *[s // align for s in tensor_strides])
+    constexprs = dict(
+        HEAD_DIM=head_dim, ROW=row_q, DENSE=dense, BLOCK_T=block_t, CHUNK=chunk, ALIGN=align, CONJUGATE=conjugate
+    )
+    return LaunchPlan(_vision_table_kernel, grid, scalars, constexprs, num_warps or _VISION_WARPS, {})
+
+
+def launch(plan: LaunchPlan, *tensors: torch.Tensor) -> None:
+    """Launch `plan.kernel` on tensors of the plan's signature (its pointer arguments, in order): through the JIT on
+    a specialization's first call, then directly with the CompiledKernel it returned (kept in `plan.kernels`).
 
     Everything the JIT specializes on is fixed by the plan (its int scalars' == 1 / % 16 / int32 range, the
-    constexprs, num_warps, every tensor's dtype; scaling is a float, not specialized) or is in the key: the current
-    device and whether each tensor's address is a multiple of 16. The direct call passes what `JITFunction.run`
-    passes at its end (Triton 3.6 and 3.9 alike): every parameter positionally in signature order, constexprs
-    included, on the current device's current stream; no launch metadata and no hooks, as none is set (else the JIT
-    path). It skips the JIT's check that the kernel's globals are unchanged: `_rope_kernel` reads none."""
+    constexprs, num_warps, every tensor's dtype; floats are not specialized) or is in the key: the current device
+    and whether each tensor's address is a multiple of 16. The direct call passes what `JITFunction.run` passes at
+    its end (Triton 3.6 and 3.9 alike): every parameter positionally in signature order, constexprs included, on
+    the current device's current stream; no launch metadata and no hooks, as none is set (else the JIT path). It
+    skips the JIT's check that the kernel's globals are unchanged: neither kernel reads any."""
     if not plan.grid[0]:
         return  # no tokens
     # Plain attributes, cheap to read per call (Triton reads TRITON_DEBUG and TRITON_INSTRUMENTATION_MODE into them
@@ -458,7 +449,7 @@ def launch(plan: LaunchPlan, q, k, q_out, k_out, positions, inv_freq, scaling: f
         RUNS_IN_INTERPRETER  # the interpreter returns no CompiledKernel and runs on CPU tensors
         or _hooked(runtime.launch_enter_hook)
         or _hooked(runtime.launch_exit_hook)
-        or _rope_kernel.pre_run_hooks
+        or plan.kernel.pre_run_hooks
         # Knobs the JIT folds into its own cache key (compile options, custom pass pipelines): debugging tools that
         # may be switched on mid-run, so while they are on every launch goes through the JIT.
         or runtime.debug
@@ -467,21 +458,15 @@ def launch(plan: LaunchPlan, q, k, q_out, k_out, positions, inv_freq, scaling: f
     )
     if not jit_only:
         device = driver.active.get_current_device()
-        key = (
-            device, q.data_ptr() % 16 == 0, k.data_ptr() % 16 == 0, q_out.data_ptr() % 16 == 0,
-            k_out.data_ptr() % 16 == 0, positions.data_ptr() % 16 == 0, inv_freq.data_ptr() % 16 == 0,
-        )  # fmt: skip
+        key = (device, *[t.data_ptr() % 16 == 0 for t in tensors])
         kernel = plan.kernels.get(key)
         if kernel is not None:
             kernel.run(
                 plan.grid[0], 1, 1, driver.active.get_current_stream(device), kernel.function, kernel.packed_metadata,
-                None, None, None, q, k, q_out, k_out, positions, inv_freq, *plan.scalars, scaling,
-                *plan.constexprs.values(),
+                None, None, None, *tensors, *plan.scalars, *plan.constexprs.values(),
             )  # fmt: skip
             return
-    kernel = _rope_kernel[plan.grid](
-        q, k, q_out, k_out, positions, inv_freq, *plan.scalars, scaling, **plan.constexprs, num_warps=plan.num_warps
-    )
+    kernel = plan.kernel[plan.grid](*tensors, *plan.scalars, **plan.constexprs, num_warps=plan.num_warps)
     if not jit_only:
         # Kept only if it is a CompiledKernel (not, e.g., Triton 3.9's FutureKernel of an async compile); else None
         # keeps this key on the JIT path for good.
@@ -506,19 +491,36 @@ def rope_launch(
     conjugate: bool,
     block_t: int | None = None,
     num_warps: int | None = None,
-    tile: int | None = None,
 ) -> None:
-    """Rotate q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
+    """Rotate text q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
 
     q, q_out: (T, Hq, D) or (B, S, Hq, D); k, k_out: same leading dims, Hk heads; any strides with
-    stride(-1) == 1; one dtype. positions: integer, text (3, T) / (3, B, S), vision (T, 2) [row, col]; any strides.
-    inv_freq: fp32 contiguous, (R/2,) for text, (R/4,) for vision; R <= D. sections: the three mRoPE sections as a
-    tuple (ignored for vision). No validation here: `mrope_kernels.ops` does it.
-    block_t / num_warps / tile (TILE_HALVES, TILE_ROWS, TILE_SPLIT) override the heuristics (benchmark sweeps only).
+    stride(-1) == 1; one dtype. positions: integer (3, T) / (3, B, S), any strides. inv_freq: fp32 contiguous
+    (R/2,), R <= D. layout: LAYOUT_CHUNKED or LAYOUT_INTERLEAVED; sections: the three mRoPE sections as a tuple. No
+    validation here: `mrope_kernels.ops` does it. block_t / num_warps override the heuristics (benchmark sweeps).
     """
     plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
         (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
-        sections, conjugate, block_t, num_warps, tile,
+        sections, float(scaling), conjugate, block_t, num_warps,
     )  # fmt: skip
-    launch(plan, q, k, q_out, k_out, positions, inv_freq, float(scaling))
+    launch(plan, q, k, q_out, k_out, positions, inv_freq)
+
+
+def vision_rope_launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    table: torch.Tensor,
+    conjugate: bool,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+) -> None:
+    """Rotate vision q, k (T, H, D), any strides with stride(-1) == 1, into q_out, k_out by the (T, D) fp32 cos/sin
+    table of `ops.vision_rope_table`. No validation here. block_t / num_warps override the heuristics (sweeps)."""
+    plan = vision_launch_plan(
+        q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(),
+        (q.dtype, k.dtype, q_out.dtype, k_out.dtype, table.dtype), conjugate, block_t, num_warps,
+    )  # fmt: skip
+    launch(plan, q, k, q_out, k_out, table)

@@ -2,14 +2,17 @@
 
 The five cases of ANCHORS.md at T = 16384 packed tokens, bf16, in one process, timed with
 `triton.testing.do_bench` medians (warmup 25 ms, rep 100 ms; it flushes L2 between repetitions).
-Method as the anchors: HF and Liger receive cos/sin precomputed (their build cost is excluded, ours includes
-sin/cos); inputs are HF's layout, q = randn(1, T, H, D).transpose(1, 2); the copy floor clones q and k once
-(fwd) and twice (fwd+bwd). One deviation, applied to every implementation alike: fwd+bwd returns gradients with
-`torch.autograd.grad` instead of accumulating into `.grad`, so no accumulation kernel is timed.
+Method as the anchors: HF and Liger receive cos/sin precomputed (their build cost is excluded; ours includes
+sin/cos for text, and for vision receives the cos/sin table the patched tower builds once per forward for all its
+blocks, as transformers' tower builds its cos/sin); inputs are HF's layout, q = randn(1, T, H, D).transpose(1, 2)
+for text; the copy floor clones q and k once (fwd) and twice (fwd+bwd). One deviation, applied to every
+implementation alike: fwd+bwd returns gradients with `torch.autograd.grad` instead of accumulating into `.grad`, so
+no accumulation kernel is timed.
 
 Rows per case:
 - ours_as_trained: what a patched model's attention calls (the patch's dispatcher in place of transformers'
-  apply function, then `apply_mrope` / `apply_vision_rope` and the autograd.Function), fwd+bwd through autograd;
+  apply function, then `apply_mrope` / `apply_vision_rope_table` and the autograd.Function), fwd+bwd through
+  autograd;
 - ours_kernels_only: the same forward and backward kernels launched back to back without autograd;
 - hf_eager, torch_compile (of HF's apply, fullgraph), liger, copy_floor; every row also as × the floor;
 - copy_floor_function: the floor's copies as a Python autograd.Function through the engine (the stack's `CopyFloor`
@@ -186,7 +189,9 @@ def make_inputs(case: Case, n_tokens: int, dev: str = "cuda") -> dict:
         inv_freq = 1.0 / (1e6 ** (torch.arange(0, rot, 2, device=dev, dtype=torch.float) / rot))
     cos, sin = hf_cos_sin(case, positions, inv_freq, dtype)
     grads = (torch.randn_like(q), torch.randn_like(k))
-    return dict(q=q, k=k, positions=positions, inv_freq=inv_freq, cos=cos, sin=sin, grads=grads)
+    # What our kernels read the angles from: text positions and inv_freq, the vision cos/sin table.
+    angles = (ops.vision_rope_table(positions, inv_freq),) if case.sections is None else (positions, inv_freq)
+    return dict(q=q, k=k, positions=positions, inv_freq=inv_freq, angles=angles, cos=cos, sin=sin, grads=grads)
 
 
 def implementations(case: Case, x: dict, with_compile: bool) -> dict:
@@ -201,7 +206,7 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
         hf_apply = hf_qwen25.apply_rotary_pos_emb_vision
         # What a patched model's vision attention calls: the dispatcher in the module global's place.
         as_trained = patch._make_vision_apply(hf_apply)
-        rope_args = patch.VisionRopeArgs(x["inv_freq"])
+        rope_args = patch.VisionRopeArgs(*x["angles"])
         ours = lambda q_, k_: as_trained(q_, k_, x["positions"], rope_args)
     else:
         hf_apply = hf_qwen35.apply_rotary_pos_emb if case.rotary_dim < case.head_dim else hf_qwen25.apply_rotary_pos_emb
@@ -226,20 +231,29 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
     # The product's Function takes the `_Rope` of its calls' signature (one for all calls of a row), found once here.
-    kernel_rope = ops._rope(
-        to_kernel(x["q"]), to_kernel(x["k"]), x["positions"], x["inv_freq"], layout, sections, 1.0, False
-    )
-    function = lambda q_, k_, positions, inv_freq, *_: ops._RopeFunction.apply(q_, k_, positions, inv_freq, kernel_rope)
+    kernel_rope = ops._rope(to_kernel(x["q"]), to_kernel(x["k"]), x["angles"], layout, sections, 1.0, False)
+    function = lambda q_, k_, angles, *_: ops._RopeFunction.apply(q_, k_, *(*angles, None)[:2], kernel_rope)
     for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", _triton_op())):
         impls[name] = (
             lambda q_, k_, rope=rope: tuple(
-                to_kernel(t)
-                for t in rope(to_kernel(q_), to_kernel(k_), x["positions"], x["inv_freq"], layout, sections, 1.0)
+                to_kernel(t) for t in rope(to_kernel(q_), to_kernel(k_), x["angles"], layout, sections, 1.0)
             ),
             inputs,
             grads,
         )
     return impls
+
+
+def _plan(q, k, q_out, k_out, angles, layout: int, sections, conjugate: bool, **overrides) -> triton_rope.LaunchPlan:
+    """The product's launch plan for these tensors (rows of text, heads of vision, any strides)."""
+    dtypes = tuple(t.dtype for t in (q, k, q_out, k_out, *angles))
+    shapes = (q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride())
+    if layout == triton_rope.LAYOUT_VISION:
+        return triton_rope.vision_launch_plan(*shapes, dtypes, conjugate, **overrides)
+    positions, inv_freq = angles
+    return triton_rope.launch_plan(
+        *shapes, positions.stride(), dtypes, inv_freq.shape[0], layout, tuple(sections), 1.0, conjugate, **overrides
+    )
 
 
 @functools.cache  # one registration per process
@@ -253,37 +267,30 @@ def _triton_op():
     def rope(
         q: torch.Tensor,
         k: torch.Tensor,
-        positions: torch.Tensor,
-        inv_freq: torch.Tensor,
+        angles: list[torch.Tensor],
         layout: int,
         sections: list[int],
         scaling: float,
         conjugate: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
-            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            (q.dtype, k.dtype, q.dtype, k.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
-            tuple(sections), conjugate, None, None, None,
-        )  # fmt: skip
-        wrap_triton(triton_rope._rope_kernel)[grid](
-            q, k, q_out, k_out, positions, inv_freq, *scalars, scaling, **constexprs, num_warps=num_warps
+        plan = _plan(q, k, q_out, k_out, angles, layout, sections, conjugate)
+        wrap_triton(plan.kernel)[plan.grid](
+            q, k, q_out, k_out, *angles, *plan.scalars, **plan.constexprs, num_warps=plan.num_warps
         )
         return q_out, k_out
 
     def setup_context(ctx, inputs, output):
-        ctx.save_for_backward(inputs[2], inputs[3])
-        ctx.static_args = inputs[4:7]
+        ctx.save_for_backward(*inputs[2])
+        ctx.static_args = inputs[3:6]
 
     def backward(ctx, grad_q, grad_k):
-        positions, inv_freq = ctx.saved_tensors
-        grads = rope(grad_q.contiguous(), grad_k.contiguous(), positions, inv_freq, *ctx.static_args, True)
-        return *grads, None, None, None, None, None, None
+        grads = rope(grad_q.contiguous(), grad_k.contiguous(), list(ctx.saved_tensors), *ctx.static_args, True)
+        return *grads, [None] * len(ctx.saved_tensors), None, None, None, None
 
     register_autograd("bench_mrope::rope", backward, setup_context=setup_context)
-    return lambda q, k, positions, inv_freq, layout, sections, scaling: rope(
-        q, k, positions, inv_freq, layout, list(sections), scaling, False
-    )
+    return lambda q, k, angles, layout, sections, scaling: rope(q, k, list(angles), layout, list(sections), scaling,
+                                                                 False)  # fmt: skip
 
 
 def _kernels_only(case: Case, x: dict):
@@ -293,10 +300,10 @@ def _kernels_only(case: Case, x: dict):
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     grad_q, grad_k = (g.detach() for g in x["grads"])
-    positions, inv_freq = x["positions"], x["inv_freq"]
-    rope = ops._rope(q, k, positions, inv_freq, layout, sections, 1.0, case.sections is not None)
-    fwd = lambda: ops._rotated(q, k, positions, inv_freq, rope, False)
-    bwd = lambda: ops._rotated(grad_q, grad_k, positions, inv_freq, rope, True)
+    angles = x["angles"]
+    rope = ops._rope(q, k, angles, layout, sections, 1.0, case.sections is not None)
+    fwd = lambda: ops._rotated(q, k, angles, rope, False)
+    bwd = lambda: ops._rotated(grad_q, grad_k, angles, rope, True)
     return fwd, lambda: (fwd(), bwd())
 
 
@@ -380,19 +387,18 @@ def launches(case: Case, x: dict) -> dict:
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    tensors = (q, k, torch.empty_like(q), torch.empty_like(k), x["positions"], x["inv_freq"])
+    tensors = (q, k, torch.empty_like(q), torch.empty_like(k), *x["angles"])
 
     def jit(conjugate: bool):
-        q, k, q_out, k_out, positions, inv_freq = tensors
-        grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
-            q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-            tuple(t.dtype for t in tensors), inv_freq.shape[0], layout, sections, conjugate, None, None, None,
-        )  # fmt: skip
-        triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
+        plan = _plan(*tensors[:4], tensors[4:], layout, sections, conjugate)
+        plan.kernel[plan.grid](*tensors, *plan.scalars, **plan.constexprs, num_warps=plan.num_warps)
         return tensors[2:4]
 
     def direct(conjugate: bool):
-        triton_rope.rope_launch(*tensors, layout, sections, 1.0, conjugate)
+        if layout == triton_rope.LAYOUT_VISION:
+            triton_rope.vision_rope_launch(*tensors, conjugate)
+        else:
+            triton_rope.rope_launch(*tensors, layout, sections, 1.0, conjugate)
         return tensors[2:4]
 
     return {
@@ -425,33 +431,24 @@ def _layout(case: Case) -> int:
     return triton_rope.LAYOUT_INTERLEAVED if case.interleaved else triton_rope.LAYOUT_CHUNKED
 
 
-# The sweep's name for each tile kind
-_TILE_NAMES = {triton_rope.TILE_HALVES: "half", triton_rope.TILE_ROWS: "row", triton_rope.TILE_SPLIT: "split"}
-
-
 def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
-    """Forward time of launcher variants (BLOCK_T, num_warps, and the tile kinds: half tiles; for R == D row
-    tiles; where R/2 is not a power of two split half tiles), to tune the heuristics; the default is the row marked
-    `default`."""
+    """Forward time of launcher variants, to tune the heuristics; the default is the row marked `default`: text
+    tokens per program (BLOCK_T) x num_warps; vision tokens per program (tiles of BLOCK_T x the row chunk) x
+    num_warps."""
     layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     qo, ko = torch.empty_like(q), torch.empty_like(k)
-    half = case.rotary_dim // 2
-    tiles = [triton_rope.TILE_HALVES]
-    tiles += [triton_rope.TILE_ROWS] if case.rotary_dim == case.head_dim else []
-    tiles += [triton_rope.TILE_SPLIT] if half & (half - 1) else []
-    configs = [(None, None, None)] + [
-        (bt, w, tile) for tile in tiles for bt, w in [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
-    ]
-    for block_t, warps, tile in configs:
-        t = bench_ms(
-            lambda bt=block_t, w=warps, tile=tile: triton_rope.rope_launch(
-                q, k, qo, ko, x["positions"], x["inv_freq"], layout, sections, 1.0, False, bt, w, tile
-            )
-        )
-        name = "default" if block_t is None else f"bt{block_t}_w{warps}_{_TILE_NAMES[tile]}"
+    if layout == triton_rope.LAYOUT_VISION:
+        configs = [(bt, w) for bt in (4, 8, 16, 32) for w in (2, 4, 8)]
+        launch = lambda bt, w: triton_rope.vision_rope_launch(q, k, qo, ko, *x["angles"], False, bt, w)
+    else:
+        configs = [(1, 2), (2, 2), (1, 4), (2, 4), (1, 8), (2, 8)]
+        launch = lambda bt, w: triton_rope.rope_launch(q, k, qo, ko, *x["angles"], layout, sections, 1.0, False, bt, w)
+    for block_t, warps in [(None, None), *configs]:
+        t = bench_ms(lambda bt=block_t, w=warps: launch(bt, w))
+        name = "default" if block_t is None else f"bt{block_t}_w{warps}"
         rows.append({"case": case.name, "impl": f"sweep_{name}", "fwd_us": t * 1e3})
 
 

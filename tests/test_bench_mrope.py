@@ -7,10 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mrope_kernels import ops
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
 from scripts.bench_mrope import (
     Case,
     CopyFloor,
+    _layout,
+    _triton_op,
     check_targets,
     launches,
     make_inputs,
@@ -129,3 +132,28 @@ def test_launch_rows_rotate_forward_then_back(case):
     for fwd, fwd_bwd in launches(case, x).values():
         torch.testing.assert_close(fwd(), reference(1), rtol=1.6e-2, atol=1e-2)
         torch.testing.assert_close(fwd_bwd()[1], reference(-1), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [Case("text", 4, 2, 32, 32, (4, 6, 6), interleaved=True), Case("vision", 2, 2, 32, 32, None)],
+    ids=["text", "vision"],
+)
+def test_mechanism_rows_equal_the_product_fwd_bwd(case):
+    """The two mechanism rows, the product's autograd.Function and the torch.library.triton_op alternative, give the
+    product's rotation and gradients on the benchmark's inputs (on the kernel's views; the angles are a list)."""
+    x = make_inputs(case, 7, "cpu")
+    layout = _layout(case)
+    sections = case.sections or (0, 0, 0)
+    to_kernel = (lambda t: t) if case.sections is None else (lambda t: t.transpose(1, 2))
+    q, k = to_kernel(x["q"]), to_kernel(x["k"])
+    rope = ops._rope(q, k, x["angles"], layout, sections, 1.0, False)
+    grads = tuple(to_kernel(g) for g in x["grads"])
+    want = ops._RopeFunction.apply(q, k, *(*x["angles"], None)[:2], rope)
+    got = _triton_op()(q, k, x["angles"], layout, sections, 1.0)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    for g, w in zip(
+        torch.autograd.grad(got, (x["q"], x["k"]), grads), torch.autograd.grad(want, (x["q"], x["k"]), grads)
+    ):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)

@@ -16,11 +16,11 @@ from triton.compiler import CompiledKernel
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-from mrope_kernels import triton_rope
+from mrope_kernels import ops, triton_rope
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 N_TOKENS, HEADS_Q, HEADS_K = 37, 5, 3
-# Text D = 72 (R/2 lanes are no whole number of 16-byte vectors: row tiles), vision D = 80 (half tiles).
+# Text D = 72 (36-lane halves: no whole number of 16-byte vectors), vision D = 80.
 HEAD_DIM = {triton_rope.LAYOUT_INTERLEAVED: 72, triton_rope.LAYOUT_CHUNKED: 72, triton_rope.LAYOUT_VISION: 80}
 
 
@@ -100,8 +100,9 @@ def fake_jit(monkeypatch):
 
 
 def _inputs(dtype=torch.bfloat16, positions_dtype=torch.int64, offset=0, layout=triton_rope.LAYOUT_INTERLEAVED):
-    """(q, k, q_out, k_out, positions, inv_freq) of a rope of odd shape on DEVICE; q, q_out `offset` elements into
-    their storage (1: a pointer that is not a multiple of 16 bytes); outputs NaN."""
+    """(q, k, q_out, k_out, positions, inv_freq), for vision (q, k, q_out, k_out, table), of a rope of odd shape on
+    DEVICE; q, q_out `offset` elements into their storage (1: a pointer that is not a multiple of 16 bytes); outputs
+    NaN."""
     torch.manual_seed(0)
     head_dim = HEAD_DIM[layout]
 
@@ -113,25 +114,31 @@ def _inputs(dtype=torch.bfloat16, positions_dtype=torch.int64, offset=0, layout=
     q_out, k_out = tensor(HEADS_Q, offset).fill_(float("nan")), tensor(HEADS_K, 0).fill_(float("nan"))
     if layout == triton_rope.LAYOUT_VISION:
         positions = torch.randint(0, 100, (N_TOKENS, 2), device=DEVICE, dtype=positions_dtype)
-        inv_freq = torch.rand(head_dim // 4, device=DEVICE)
-    else:
-        positions = torch.randint(0, 1000, (3, N_TOKENS), device=DEVICE, dtype=positions_dtype)
-        inv_freq = torch.rand(head_dim // 2, device=DEVICE)
-    return q, k, q_out, k_out, positions, inv_freq
+        return q, k, q_out, k_out, ops.vision_rope_table(positions, torch.rand(head_dim // 4, device=DEVICE))
+    positions = torch.randint(0, 1000, (3, N_TOKENS), device=DEVICE, dtype=positions_dtype)
+    return q, k, q_out, k_out, positions, torch.rand(head_dim // 2, device=DEVICE)
 
 
 def _rope(tensors, layout=triton_rope.LAYOUT_INTERLEAVED, conjugate=False, scaling=1.0):
-    triton_rope.rope_launch(*tensors, layout, (12, 12, 12), scaling, conjugate)
+    if layout == triton_rope.LAYOUT_VISION:
+        triton_rope.vision_rope_launch(*tensors, conjugate)
+    else:
+        triton_rope.rope_launch(*tensors, layout, (12, 12, 12), scaling, conjugate)
 
 
 def _jit_launch(tensors, layout=triton_rope.LAYOUT_INTERLEAVED, conjugate=False):
-    """What `rope_launch` did before the direct launch: the planned arguments through `_rope_kernel[grid]`."""
-    q, k, q_out, k_out, positions, inv_freq = tensors
-    grid, scalars, constexprs, num_warps, _ = triton_rope.launch_plan(
-        q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
-        tuple(t.dtype for t in tensors), inv_freq.shape[0], layout, (12, 12, 12), conjugate, None, None, None,
-    )  # fmt: skip
-    triton_rope._rope_kernel[grid](*tensors, *scalars, 1.0, **constexprs, num_warps=num_warps)
+    """What the launchers did before the direct launch: the planned arguments through `kernel[grid]`."""
+    q, k, q_out, k_out, *angles = tensors
+    dtypes = tuple(t.dtype for t in tensors)
+    shapes = (q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride())
+    if layout == triton_rope.LAYOUT_VISION:
+        plan = triton_rope.vision_launch_plan(*shapes, dtypes, conjugate)
+    else:
+        positions, inv_freq = angles
+        plan = triton_rope.launch_plan(
+            *shapes, positions.stride(), dtypes, inv_freq.shape[0], layout, (12, 12, 12), 1.0, conjugate
+        )
+    plan.kernel[plan.grid](*tensors, *plan.scalars, **plan.constexprs, num_warps=plan.num_warps)
 
 
 def _assert_same_args(got: tuple, want: tuple) -> None:
@@ -193,15 +200,16 @@ def test_each_specialization_misses_the_cache(fake_jit, change):
 
 
 def test_what_the_jit_does_not_specialize_on_stays_direct(fake_jit):
-    """Other aligned pointers and other scaling values, floats or ints (passed as floats, which the JIT does not
-    specialize; an int would be): the kept kernel, no JIT call."""
+    """Other aligned pointers: the kept kernel, no JIT call. Other scaling values, floats or ints (passed as floats,
+    which the JIT does not specialize; an int would be): one plan per value, whose first launch goes through the JIT
+    and finds the kernel already compiled, later ones direct."""
     _rope(_inputs())
-    for scaling in (1.0, 0.5, 2, 1):
+    for scaling in (1.0, 0.5, 2, 1, 0.5):
         _rope(_inputs(), scaling=scaling)
-    assert (fake_jit.runs, len(fake_jit.compiled), len(fake_jit.compiled[0].launches)) == (1, 1, 5)
+    assert (fake_jit.runs, len(fake_jit.compiled), len(fake_jit.compiled[0].launches)) == (3, 1, 6)
     at = 9 + fake_jit.jit.arg_names.index("scaling")
     scalings = [launch[at] for launch in fake_jit.compiled[0].launches]
-    assert scalings == [1.0, 1.0, 0.5, 2.0, 1.0] and {type(s) for s in scalings} == {float}
+    assert scalings == [1.0, 1.0, 0.5, 2.0, 1.0, 0.5] and {type(s) for s in scalings} == {float}
 
 
 @pytest.mark.parametrize("hook", ["enter", "exit", "legacy-callable", "pre-run", "debug", "instrumentation"])
@@ -261,14 +269,12 @@ def test_interpreter_takes_the_jit_path(monkeypatch):
 @pytest.mark.parametrize("positions_dtype", [torch.int64, torch.int32], ids=["int64", "int32"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(
-    "layout",
-    [triton_rope.LAYOUT_INTERLEAVED, triton_rope.LAYOUT_VISION],
-    ids=["text-row-tile", "vision-half-tiles"],
+    "layout", [triton_rope.LAYOUT_INTERLEAVED, triton_rope.LAYOUT_VISION], ids=["text-72", "vision-table-80"]
 )
 def test_gpu_direct_launch_matches_the_jit_bit_for_bit(monkeypatch, layout, dtype, positions_dtype, offset):
     """On the GPU, at odd shapes, for bf16 and fp16, int32 and int64 positions, q and q_out at an odd element offset
     or not: a call that takes the direct path (the JIT is not called) writes exactly what the JIT launch writes."""
-    kernel = triton_rope._rope_kernel
+    kernel = triton_rope._vision_table_kernel if layout == triton_rope.LAYOUT_VISION else triton_rope._rope_kernel
     runs = []
     run = kernel.run
     monkeypatch.setattr(kernel, "run", lambda *args, **kwargs: runs.append(1) or run(*args, **kwargs))

@@ -23,7 +23,11 @@ from transformers.models.qwen3_vl import configuration_qwen3_vl as cfg_qwen3
 from transformers.models.qwen3_vl import modeling_qwen3_vl as hf_qwen3
 
 from mrope_kernels import apply_mrope, apply_vision_rope, ops, triton_rope
-from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
+from mrope_kernels.reference import (
+    apply_mrope_reference,
+    apply_vision_rope_reference,
+    rotate_by_vision_table_reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,7 +143,7 @@ TEXT_CASES = [
     TextCase("qwen2_5_vl", 130, 7, 1, 64, (4, 14, 14), "bshd_transposed"),
     TextCase("qwen3_vl", 37, 8, 2, 128, (24, 20, 20), max_position=100_000),
     TextCase("qwen3_vl", 100, 4, 4, 80, (14, 13, 13), "bshd_transposed"),
-    # R = D = 72: in bf16 the 36-lane halves are not whole 16-byte vectors, so whole rows are rotated (row tile)
+    # R = D = 72: in bf16 the 36-lane halves are not whole 16-byte vectors
     TextCase("qwen3_vl", 23, 3, 1, 72, (12, 12, 12), "bshd_transposed", max_position=100_000),
     TextCase("qwen3_5", 101, 6, 2, 256, (11, 11, 10), "chunk", partial=0.25),
     TextCase("qwen3_5", 19, 3, 1, 72, (6, 6, 6), "chunk", partial=0.5, max_position=100_000),
@@ -276,8 +280,8 @@ def vision_qk(n_tokens: int, heads: int, head_dim: int, dtype, qkv_view: bool):
 )
 def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_dim, dtype, qkv_view, max_position):
     """apply_vision_rope equals transformers' vision rotary module + apply_rotary_pos_emb_vision (fp32) forward
-    and backward, with the frequency index restarting per axis; inputs unmodified. D=72 in bf16 takes the row
-    tile (36-lane halves are not whole 16-byte vectors), D=72 in fp32 and D=64/80 the half tiles."""
+    and backward, with the frequency index restarting per axis; inputs unmodified. Heads of D = 64, 72, 80,
+    contiguous and as the qkv projection's views, positions up to 1e5."""
     torch.manual_seed(3)
     rotary, apply = hf_vision(family, head_dim)
     rotary = rotary.to(DEVICE)
@@ -306,32 +310,24 @@ def test_vision_rope_matches_transformers_fwd_bwd(family, n_tokens, heads, head_
 # --------------------------------------------------------------------------------------------------------------
 
 
-HALVES, ROWS, SPLIT = triton_rope.TILE_HALVES, triton_rope.TILE_ROWS, triton_rope.TILE_SPLIT
-
-
 @pytest.mark.parametrize(
-    ("layout", "head_dim", "inv_len", "sections", "tile", "dtype"),
+    ("layout", "head_dim", "inv_len", "sections", "dtype"),
     [
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), HALVES, torch.float32),
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), ROWS, torch.float32),
-        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), SPLIT, torch.bfloat16),
-        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10), HALVES, torch.float32),
-        (triton_rope.LAYOUT_INTERLEAVED, 256, 36, (12, 12, 12), SPLIT, torch.float32),
-        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), ROWS, torch.bfloat16),
-        (triton_rope.LAYOUT_INTERLEAVED, 72, 36, (12, 12, 12), SPLIT, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), HALVES, torch.float32),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), ROWS, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 72, 18, (0, 0, 0), SPLIT, torch.bfloat16),
-        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), ROWS, torch.float16),
-        (triton_rope.LAYOUT_VISION, 40, 10, (0, 0, 0), SPLIT, torch.float16),
-        (triton_rope.LAYOUT_VISION, 56, 14, (0, 0, 0), SPLIT, torch.float32),
+        (triton_rope.LAYOUT_CHUNKED, 80, 40, (10, 15, 15), torch.float32),
+        (triton_rope.LAYOUT_CHUNKED, 72, 36, (12, 12, 12), torch.bfloat16),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 32, (11, 11, 10), torch.float32),
+        (triton_rope.LAYOUT_INTERLEAVED, 256, 36, (12, 12, 12), torch.float16),
+        (triton_rope.LAYOUT_VISION, 72, 18, None, torch.float32),
+        (triton_rope.LAYOUT_VISION, 72, 18, None, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 40, 10, None, torch.float16),
+        (triton_rope.LAYOUT_VISION, 56, 14, None, torch.bfloat16),
+        (triton_rope.LAYOUT_VISION, 4, 1, None, torch.float32),
     ],
 )
-def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, tile, dtype):
-    """Into NaN-poisoned outputs, the launcher writes every element (rotary and pass-through lanes) of every
-    head and token, with half tiles, row tiles and split half tiles (R/2 = 20, 36, 28 as a power of two and a tail
-    of 4, 4, 12; forced here even where the heuristic would not pick them): no NaN survives and the result equals
-    the reference."""
+def test_launcher_writes_every_output_element(layout, head_dim, inv_len, sections, dtype):
+    """Into NaN-poisoned outputs, the launchers write every element (rotary and pass-through lanes) of every head
+    and token, GQA heads 5/3, R/2 a power of two or not (text: 40, 36, 32 lanes; vision: rows of 5 x 72 and 3 x 72
+    elements, so chunks of 8, down to D = 4): no NaN survives and the result equals the reference."""
     torch.manual_seed(4)
     n_tokens, heads_q, heads_k = 29, 5, 3
     q = torch.randn(n_tokens, heads_q, head_dim, device=DEVICE, dtype=dtype)
@@ -342,34 +338,77 @@ def test_launcher_writes_every_output_element(layout, head_dim, inv_len, section
     if layout == triton_rope.LAYOUT_VISION:
         positions = torch.randint(0, 100, (n_tokens, 2), device=DEVICE)
         ref = apply_vision_rope_reference(q.float(), k.float(), positions, inv_freq)
+        table = ops.vision_rope_table(positions, inv_freq)
+        triton_rope.vision_rope_launch(q, k, q_out, k_out, table, False)
     else:
         positions = text_positions((n_tokens,), 1000)
         interleaved = layout == triton_rope.LAYOUT_INTERLEAVED
         ref = apply_mrope_reference(q.float(), k.float(), positions, inv_freq, sections, interleaved)
-    triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False, tile=tile)
+        triton_rope.rope_launch(q, k, q_out, k_out, positions, inv_freq, layout, sections, 1.0, False)
     assert_matches(q_out, ref[0], "q")
     assert_matches(k_out, ref[1], "k")
 
 
-# Compiles `_rope_kernel` for Hopper (sm_90) on the CPU, as `launch` would specialize it (16-byte aligned tensors),
-# in a process without TRITON_INTERPRET (under it `triton.jit` gives interpreted functions, which do not compile),
-# and prints, per case, the counts of each kind of global load and store in the PTX.
+@pytest.mark.parametrize("layout", ["qkv-view", "head-major", "gqa-padded-heads"])
+def test_vision_table_kernel_follows_any_strides(layout):
+    """The vision kernel addresses q, k and outputs by token and head strides, not as dense rows: views of the qkv
+    projection (token stride 3·H·D), head-major tensors (what attention's backward hands back) and heads with gaps
+    between them (head stride D + 8) rotate as the dense copy does, forward and conjugate; nothing outside the
+    elements is written."""
+    torch.manual_seed(12)
+    n_tokens, heads, head_dim = 21, 3, 72
+    if layout == "qkv-view":
+        q, k, _ = torch.randn(n_tokens, 3, heads, head_dim, device=DEVICE, dtype=torch.bfloat16).unbind(1)
+    elif layout == "head-major":
+        q, k = (torch.randn(heads, n_tokens, head_dim, device=DEVICE, dtype=torch.bfloat16).transpose(0, 1)
+                for _ in range(2))  # fmt: skip
+    else:
+        q, k = (torch.randn(n_tokens, heads, head_dim + 8, device=DEVICE, dtype=torch.bfloat16)[..., :head_dim]
+                for _ in range(2))  # fmt: skip
+    positions = torch.randint(0, 500, (n_tokens, 2), device=DEVICE)
+    inv_freq = torch.rand(head_dim // 4, device=DEVICE)
+    table = ops.vision_rope_table(positions, inv_freq)
+    for conjugate in (False, True):
+        q_out_base, k_out_base = (torch.full((*x.shape[:-1], head_dim + 8), float("nan"), device=DEVICE,
+                                             dtype=x.dtype) for x in (q, k))  # fmt: skip
+        q_out, k_out = q_out_base[..., :head_dim], k_out_base[..., :head_dim]
+        triton_rope.vision_rope_launch(q, k, q_out, k_out, table, conjugate)
+        dense = tuple(torch.empty_like(x.contiguous()) for x in (q, k))
+        triton_rope.vision_rope_launch(q.contiguous(), k.contiguous(), *dense, table, conjugate)
+        assert torch.equal(q_out, dense[0]) and torch.equal(k_out, dense[1])
+        assert q_out_base[..., head_dim:].isnan().all() and k_out_base[..., head_dim:].isnan().all()
+        expected = rotate_by_vision_table_reference(q.float(), k.float(), table, conjugate)
+        assert_matches(q_out, expected[0], "q")
+        assert_matches(k_out, expected[1], "k")
+
+
+def test_vision_table_equals_transformers_cos_sin():
+    """`vision_rope_table` is transformers' vision cos/sin, bit for bit: the table's columns are the first halves
+    of the rotary module's (cos, sin), positions up to 1e5."""
+    rotary, _ = hf_vision("qwen3_vl", 72)
+    positions = torch.randint(0, 100_000, (57, 2))
+    cos, sin = rotary(torch.empty(1), positions)
+    table = ops.vision_rope_table(positions, rotary.inv_freq)
+    assert table.shape == (57, 72) and table.is_contiguous()
+    assert torch.equal(table[:, :36], cos[:, :36].float()) and torch.equal(table[:, 36:], sin[:, :36].float())
+
+
+# Compiles a kernel for Hopper (sm_90) on the CPU, as `launch` would specialize it (16-byte aligned tensors), in a
+# process without TRITON_INTERPRET (under it `triton.jit` gives interpreted functions, which do not compile), and
+# prints, per case, the counts of each kind of global load and store in the PTX.
 HOPPER_PTX = """
 import collections, json, re, sys, torch, triton
 from triton.backends.compiler import GPUTarget
 from mrope_kernels import triton_rope
 
-POINTERS = {"Q": "*bf16", "K": "*bf16", "Q_OUT": "*bf16", "K_OUT": "*bf16", "POS": "*i64", "INV_FREQ": "*fp32"}
+POINTERS = {"Q": "*bf16", "K": "*bf16", "Q_OUT": "*bf16", "K_OUT": "*bf16", "TABLE": "*fp32"}
 accesses = {}
-for name, heads, head_dim, head_stride, tile in json.loads(sys.argv[1]):
-    shape, strides = (64, heads, head_dim), (heads * head_stride, head_stride, 1)
-    dtypes = (torch.bfloat16,) * 4 + (torch.int64, torch.float32)
-    plan = triton_rope.launch_plan(
-        shape, strides, shape, strides, strides, strides, (2, 1), dtypes, head_dim // 4, triton_rope.LAYOUT_VISION,
-        (0, 0, 0), False, tile=tile,
-    )
-    fn = triton_rope._rope_kernel
-    scalar_names = [n for n in fn.arg_names if n not in POINTERS and n not in plan.constexprs and n != "scaling"]
+for name, n_tokens, heads, head_dim, token_stride, head_stride in json.loads(sys.argv[1]):
+    shape, strides = (n_tokens, heads, head_dim), (token_stride, head_stride, 1)
+    plan = triton_rope.vision_launch_plan(shape, strides, shape, strides, strides, strides,
+                                          (torch.bfloat16,) * 4 + (torch.float32,), False)
+    fn = plan.kernel
+    scalar_names = [n for n in fn.arg_names if n not in POINTERS and n not in plan.constexprs]
     scalars = dict(zip(scalar_names, plan.scalars))
     signature, constexprs, attrs = {}, dict(plan.constexprs), {}
     for i, n in enumerate(fn.arg_names):
@@ -377,8 +416,6 @@ for name, heads, head_dim, head_stride, tile in json.loads(sys.argv[1]):
             signature[n], attrs[(i,)] = POINTERS[n], [["tt.divisibility", 16]]
         elif n in constexprs:
             signature[n] = "constexpr"
-        elif n == "scaling":
-            signature[n] = "fp32"
         elif scalars[n] == 1:  # the JIT makes ints equal to 1 constexprs
             signature[n], constexprs[n] = "constexpr", 1
         else:
@@ -392,16 +429,22 @@ print(json.dumps(accesses))
 """
 
 
-def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
-    """ViT 16x72's three tile kinds compile for the H200's sm_90 (Triton 3.6 aborted on an earlier split tile's
-    gather) and move q and k in vectors, never one bf16 element (16 bits) at a time: 16-byte vectors for the row
-    tile, 8-byte ones for the halves that start mid-vector. A head stride of 73 elements, whose rows cannot be
-    aligned, is the control that shows the count can fail."""
+def test_vision_table_kernel_compiles_for_hopper_with_vector_accesses(tmp_path):
+    """The vision kernel compiles for the H200's sm_90 and reads and writes q's and k's elements in 16-byte vectors,
+    never one bf16 element (16 bits) at a time, for ViT 16x72 and 16x80 dense (one flat run), as the qkv
+    projection's views and head-major (the backward's gradients), and compiles for one token (a constexpr then).
+    Only the partner lanes' second read (D/2 away, an L1 hit) is per element, as in the prototype measured at the
+    copy floor (docs/benchmarks.md, twenty-fourth session): two loads per element, one of them vector. A head stride
+    of 73 elements, whose rows cannot be aligned, is the control that shows the count can fail."""
     cases = [
-        ("rows", 16, 72, 72, triton_rope.TILE_ROWS),
-        ("halves", 16, 72, 72, triton_rope.TILE_HALVES),
-        ("split", 16, 72, 72, triton_rope.TILE_SPLIT),
-        ("unaligned split", 16, 72, 73, triton_rope.TILE_SPLIT),
+        ("16x72 dense", 64, 16, 72, 16 * 72, 72),
+        ("16x72 qkv view", 64, 16, 72, 3 * 16 * 72, 72),
+        ("16x72 head-major", 64, 16, 72, 72, 16384 * 72),
+        ("16x80 qkv view", 64, 16, 80, 3 * 16 * 80, 80),
+        ("unaligned", 64, 16, 72, 16 * 73, 73),
+        # one token: the JIT makes n_tokens == 1 a constexpr, which the kernel must compile with too
+        ("one token dense", 1, 16, 72, 16 * 72, 72),
+        ("one token qkv view", 1, 16, 72, 3 * 16 * 72, 72),
     ]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env |= {"PYTHONPATH": str(ROOT), "TRITON_CACHE_DIR": str(tmp_path), "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -411,41 +454,55 @@ def test_vision_72_tiles_compile_for_hopper_with_vector_accesses(tmp_path):
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     accesses = json.loads(result.stdout.splitlines()[-1])
-    for name in ("rows", "halves", "split"):
-        assert not any(kind.endswith(".b16") for kind in accesses[name]), (name, accesses[name])
-    assert accesses["rows"].get("ld.global.v4.b32") and accesses["split"].get("ld.global.v2.b32")
-    assert any(kind.endswith(".b16") for kind in accesses["unaligned split"]), accesses["unaligned split"]
+    # Per thread, 2048-element tiles on 128 threads: 16 elements of q and of k each (two 16-byte vectors apiece), so
+    # at most their 32 partner reads per element.
+    for name, *_ in cases[:4]:
+        counts = accesses[name]
+        assert counts.get("st.global.v4.b32") == 4 and not counts.get("st.global.b16"), (name, counts)
+        assert counts.get("ld.global.v4.b32", 0) >= 4 and counts.get("ld.global.b16", 0) <= 32, (name, counts)
+    assert accesses["unaligned"].get("st.global.b16"), accesses["unaligned"]
 
 
-# The anchor cases of scripts/bench_mrope.py at 16k packed tokens, and the (tokens per program, warps, tile kind) the
-# H200 sweep of 2026-12-02 found fastest for each (docs/benchmarks.md, "Sixteenth session"): one token per program,
+# The text anchor cases of scripts/bench_mrope.py at 16k packed tokens, and the (tokens per program, warps) the H200
+# sweep of 2026-12-02 found fastest for each (docs/benchmarks.md, "Sixteenth session"): one token per program,
 # 2 warps, except Qwen3.5's 4 warps for its 16 x 256-lane pass-through copy.
 SWEEP_BEST = [
-    ("qwen2.5-vl text 28/4x128", 28, 4, 128, 128, triton_rope.LAYOUT_CHUNKED, (1, 2, triton_rope.TILE_HALVES)),
-    ("qwen3-vl text 32/8x128", 32, 8, 128, 128, triton_rope.LAYOUT_INTERLEAVED, (1, 2, triton_rope.TILE_HALVES)),
-    ("qwen3.5 text 24/4x256 rot64", 24, 4, 256, 64, triton_rope.LAYOUT_INTERLEAVED, (1, 4, triton_rope.TILE_HALVES)),
-    ("vit 16x80", 16, 16, 80, 80, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_HALVES)),
-    ("vit 16x72", 16, 16, 72, 72, triton_rope.LAYOUT_VISION, (1, 2, triton_rope.TILE_ROWS)),
+    ("qwen2.5-vl text 28/4x128", 28, 4, 128, 128, triton_rope.LAYOUT_CHUNKED, (1, 2)),
+    ("qwen3-vl text 32/8x128", 32, 8, 128, 128, triton_rope.LAYOUT_INTERLEAVED, (1, 2)),
+    ("qwen3.5 text 24/4x256 rot64", 24, 4, 256, 64, triton_rope.LAYOUT_INTERLEAVED, (1, 4)),
 ]
 
 
 @pytest.mark.parametrize(("heads_q", "heads_k", "head_dim", "rotary_dim", "layout", "best"),
                          [case[1:] for case in SWEEP_BEST], ids=[case[0] for case in SWEEP_BEST])  # fmt: skip
 def test_default_launch_configs_are_the_h200_sweeps_best(heads_q, heads_k, head_dim, rotary_dim, layout, best):
-    """The launch heuristics pick, for each anchor case, the config its GPU sweep measured fastest: a change to
-    `default_launch_config` or `default_tile` that moves one needs a new sweep (`bench_mrope --sweep`)."""
+    """The launch heuristics pick, for each text anchor case, the config its GPU sweep measured fastest: a change to
+    `default_launch_config` that moves one needs a new sweep (`bench_mrope --sweep`)."""
     n_tokens = 16384
     q_shape, k_shape = (n_tokens, heads_q, head_dim), (n_tokens, heads_k, head_dim)
     q_strides, k_strides = (heads_q * head_dim, head_dim, 1), (heads_k * head_dim, head_dim, 1)
-    position_strides = (1, 2) if layout == triton_rope.LAYOUT_VISION else (n_tokens, 1)
-    lanes = rotary_dim // 4 if layout == triton_rope.LAYOUT_VISION else rotary_dim // 2
-    sections = (0, 0, 0) if layout == triton_rope.LAYOUT_VISION else (lanes // 3, lanes // 3, lanes - 2 * (lanes // 3))
+    lanes = rotary_dim // 2
+    sections = (lanes // 3, lanes // 3, lanes - 2 * (lanes // 3))
     dtypes = (torch.bfloat16,) * 4 + (torch.int64, torch.float32)
     plan = triton_rope.launch_plan(
-        q_shape, q_strides, k_shape, k_strides, q_strides, k_strides, position_strides, dtypes, lanes, layout,
-        sections, False,
+        q_shape, q_strides, k_shape, k_strides, q_strides, k_strides, (n_tokens, 1), dtypes, lanes, layout,
+        sections, 1.0, False,
     )  # fmt: skip
-    assert (plan.constexprs["BLOCK_T"], plan.num_warps, plan.constexprs["TILE"]) == best
+    assert (plan.constexprs["BLOCK_T"], plan.num_warps) == best
+
+
+@pytest.mark.parametrize(("head_dim", "chunk", "block_t"), [(72, 128, 16), (80, 256, 8)])
+def test_vision_default_tiles_are_the_measured_ones(head_dim, chunk, block_t):
+    """ViT 16 heads: ~2048-element tiles on 4 warps, the prototype's best in its H200 sweep (docs/benchmarks.md,
+    twenty-fourth session) and the product's default in the twenty-fifth session's benchmark, with a chunk of 128
+    elements (16 x 72 = 1152 = 9 x 128) or 256 (16 x 80 = 5 x 256) per token: a change here needs a new sweep."""
+    shape, strides = (16384, 16, head_dim), (3 * 16 * head_dim, head_dim, 1)
+    dtypes = (torch.bfloat16,) * 4 + (torch.float32,)
+    plan = triton_rope.vision_launch_plan(shape, strides, shape, strides, strides, strides, dtypes, False)
+    assert (plan.constexprs["CHUNK"], plan.constexprs["BLOCK_T"], plan.num_warps) == (chunk, block_t, 4)
+    assert not plan.constexprs["DENSE"]
+    dense = (16 * head_dim, head_dim, 1)
+    assert triton_rope.vision_launch_plan(shape, dense, shape, dense, dense, dense, dtypes, False).constexprs["DENSE"]
 
 
 def test_cached_launch_plans_and_checks_follow_the_signature():
@@ -661,6 +718,6 @@ def test_gpu_large_positions_fp32_accuracy():
 @pytest.mark.parametrize("qkv_view", [False, True], ids=["contiguous", "qkv-view"])
 @pytest.mark.parametrize(("family", "head_dim"), [("qwen3_vl", 72), ("qwen2_5_vl", 80)], ids=["16x72", "16x80"])
 def test_gpu_vision_large_matches_transformers(family, head_dim, qkv_view):
-    """ViT 16x72 (row tile) and 16x80 (half tiles) at T = 16384 in bf16 on the GPU, contiguous and as views of the
-    qkv projection, match transformers' vision rope (fp32) fwd and bwd."""
+    """ViT 16x72 and 16x80 at T = 16384 in bf16 on the GPU, contiguous and as views of the qkv projection, match
+    transformers' vision rope (fp32) fwd and bwd."""
     test_vision_rope_matches_transformers_fwd_bwd(family, 16384, 16, head_dim, torch.bfloat16, qkv_view, 2000)

@@ -150,10 +150,10 @@ def reference_ops(monkeypatch):
     """Run the patch on the kernels' PyTorch reference, counting calls: {"mrope": counter, "vision": counter}."""
     counters = {
         "mrope": CallCounter(reference.apply_mrope_reference),
-        "vision": CallCounter(reference.apply_vision_rope_reference),
+        "vision": CallCounter(reference.rotate_by_vision_table_reference),
     }
     monkeypatch.setattr(ops, "apply_mrope", counters["mrope"])
-    monkeypatch.setattr(ops, "apply_vision_rope", counters["vision"])
+    monkeypatch.setattr(ops, "apply_vision_rope_table", counters["vision"])
     return counters
 
 
@@ -414,7 +414,8 @@ def test_deep_copy_of_patched_model_is_patched_and_independent(tiny_model, refer
 
 def test_rope_args_survive_mixed_precision_input_casting(tiny_model, reference_ops):
     """FSDP2's mixed precision casts each wrapped block's floating-point inputs (through tuples and dataclasses)
-    to bf16; the rotary frequencies travelling in position_embeddings stay fp32 and exact."""
+    to bf16; the rotary frequencies and the vision cos/sin table travelling in position_embeddings stay fp32 and
+    exact."""
     from torch.distributed.utils import _apply_to_tensors
 
     model = tiny_model("qwen3_vl")
@@ -425,6 +426,13 @@ def test_rope_args_survive_mixed_precision_input_casting(tiny_model, reference_o
     cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, embeddings)
     assert cast[1].inv_freq.dtype == torch.float32
     assert torch.equal(cast[1].inv_freq, rotary.inv_freq)
+    vision_positions = torch.randint(0, 30, (7, 2))
+    vision_embeddings = model.model.visual.rotary_pos_emb(torch.zeros(7, 4), vision_positions)
+    cast = _apply_to_tensors(lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t, vision_embeddings)
+    assert cast[1].table.dtype == torch.float32
+    assert torch.equal(
+        cast[1].table, ops.vision_rope_table(vision_positions, model.model.visual.rotary_pos_emb.inv_freq)
+    )
     unpatch_model(model)
 
 
