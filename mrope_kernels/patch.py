@@ -11,7 +11,7 @@ through it:
   built once per tower forward and read by every block, forward and backward. The record carries the config, so
   two differently-configured models of one family can be patched at once.
 - the family's module-global apply functions are replaced by dispatchers that call `apply_mrope` /
-  `apply_vision_rope` when handed such a record, and the original function otherwise (an unpatched model of the
+  `apply_vision_rope_table` when handed such a record, and the original function otherwise (an unpatched model of the
   same family keeps working). The originals come back when the last patched model of the family is unpatched.
 - Qwen2.5-VL's vision tower reorders the rotary tables into window order with `permute_input_for_window_attn`;
   its instance gets a version that reorders the positions and the record's table rows alike.
