@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-gpu gpu-suite gpu-rope gpu-cp lint format bench smoke-test compare profile inspect-data verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp lint format bench smoke-test compare profile inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -21,20 +21,23 @@ $(VENV)/bin/python:
 
 install: $(VENV)/bin/python  ## create .venv with the pinned requirements (skipped when it exists)
 
-test: install  ## run the test suite (CPU: Triton kernels under TRITON_INTERPRET=1; GPU tests skip without CUDA)
-	$(VENV)/bin/python -m pytest -q tests
+test: install  ## the fast tier (a few minutes on 2 cores): every module, kernels under TRITON_INTERPRET=1 on small shapes
+	$(VENV)/bin/python -m pytest -q -m "not slow" tests
+
+test-all: test  ## `make test`, then the slow tier (multi-process runs, inductor, kill -9 resume, script end-to-end runs)
+	$(VENV)/bin/python -m pytest -q -m slow tests
 
 test-gpu:  ## run only the GPU-marked tests (on a CUDA machine, with the system python)
 	$(PY) -m pytest -q -m gpu tests
 
-gpu-suite:  ## every GPU check and benchmark in one go (logs and JSON in artifacts/gpu-suite)
-	bash scripts/gpu_suite.sh artifacts/gpu-suite
+gpu-checks:  ## every GPU correctness check on one GPU: GPU tests, packed == per-sample per family, smoke run (artifacts/gpu-checks)
+	bash scripts/gpu_checks.sh artifacts/gpu-checks
 
-gpu-rope:  ## rope kernels on one GPU: GPU tests, kernel benchmark, 3B/8B/Qwen3.5 comparisons with repeats (artifacts/gpu-rope)
-	bash scripts/gpu_rope_suite.sh artifacts/gpu-rope
+gpu-bench:  ## the benchmarks on one GPU: kernels, packing, fused vs unfused end to end (artifacts/gpu-bench)
+	bash scripts/gpu_benchmarks.sh artifacts/gpu-bench
 
-gpu-cp:  ## context parallelism on two GPUs: GPU test, CP=2 vs CP=1 exactness, speed, longest sample, attention engines (artifacts/gpu-cp)
-	bash scripts/gpu_cp_suite.sh artifacts/gpu-cp
+gpu-cp:  ## context parallelism on two GPUs: GPU tests, CP=2 vs CP=1 exactness, speed, attention engines (artifacts/gpu-cp)
+	bash scripts/gpu_context_parallel.sh artifacts/gpu-cp
 
 lint: install  ## ruff, line length 120
 	$(VENV)/bin/ruff check .

@@ -2,8 +2,8 @@
 it forks any.
 
 - The server and every worker it forks answer SIGUSR1 with their threads' Python stacks, as train.py does, from
-  their first instruction: a handler a worker set itself would leave a window in which the signal (scripts/launch.py
-  sends it to every process of a run) kills it.
+  their first instruction: a handler a worker set itself would leave a window in which the signal
+  (verification/launch.py sends it to every process of a run) kills it.
 - The server dies with the training process, and each worker with the server. A worker's parent is the server, and
   torch's worker watchdog only checks that its parent lives (and misses a parent gone before the worker started),
   while the workers keep the server's liveness pipe open: after a crash or a kill of the training process, both

@@ -40,7 +40,7 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta
 
 import numpy as np
 import torch
@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from training import context_parallel, packed
+from verification.provenance import provenance
 
 REFERENCE = "one_gpu"
 ENGINES = ("ours_allgather_kv", "torch_cp_allgather", "torch_cp_alltoall")
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         if env["rank"] == 0:
             report = {
                 "what": "context-parallel causal attention of one document, fwd and fwd+bwd",
-                "date": datetime.now(UTC).isoformat(timespec="seconds"),
+                "provenance": provenance(),
                 **versions(device),
                 "world_size": env["world_size"],
                 "args": {k: v for k, v in vars(args).items() if k != "out"},

@@ -35,6 +35,7 @@ from training import gated_delta, gated_delta_check
 from training.config import load_config
 from training.gated_delta_check import GatedDeltaDims
 from training.packed import PACK_KWARG, PackedSeqlens
+from verification.provenance import provenance
 
 EDGE_LENGTHS = (1, 63, 64, 65)
 
@@ -159,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "gpu": torch.cuda.get_device_name(),
+        "provenance": provenance(),
         "versions": gated_delta_check.environment_key(dims, dtype, torch.device("cuda")),
         "dims": asdict(dims),
         "lengths": lengths,
@@ -178,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 
-    print(f"{result['gpu']}; {result['versions']}")
+    print(f"{result['provenance']['gpu']['name']}; {result['versions']}")
     print(f"pack: {len(lengths)} samples, {sum(lengths)} tokens: {lengths}")
     print(f"fla first call (compile + autotune; {cache_files} files in the Triton cache at start): {first_call_s:.1f}s")
     print(f"{'path':26}" + "".join(f"{q:>9}" for q in gated_delta_check.QUANTITIES))

@@ -49,13 +49,12 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from datetime import UTC, datetime
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from mrope_kernels import ops, patch, triton_rope
+from verification.provenance import provenance
 
 
 @dataclass(frozen=True)
@@ -584,10 +583,7 @@ def main() -> None:
     with_floor_ratios(rows)
     checks = check_targets(rows)
     meta = {
-        "gpu": torch.cuda.get_device_name(),
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
+        "provenance": provenance(),
         "tokens": args.tokens,
         "stack": args.stack,
         "dtype": "bfloat16",

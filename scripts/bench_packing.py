@@ -25,7 +25,6 @@ import os
 import sys
 import time
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 
 import torch
 
@@ -43,6 +42,7 @@ from verification.packing_check import (
     samples_from_batch,
     synthetic_sample,
 )
+from verification.provenance import provenance
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT_3B = {  # Qwen2.5-VL-3B text dims, 4 layers
@@ -267,9 +267,7 @@ def main() -> int:
     with open(args.out, "w") as f:
         json.dump(
             {
-                "date": datetime.now(UTC).isoformat(),
-                "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                "torch": torch.__version__,
+                "provenance": provenance(),
                 "model": {"text": TINY_TEXT if args.tiny else TEXT_3B, "vision": TINY_VIT if args.tiny else SMALL_VIT},
                 "args": vars(args),
                 "results": [asdict(r) for r in results],

@@ -28,7 +28,8 @@ the GPU (a shared or slow host CPU moves it). A GPU-bound training step measures
 
 comparison.json:
   recipe, overrides, steps, warmup_steps, repeats, run_order ([variant, repeat] in the order run), wandb_group,
-  left_out {variant: reason}, environment {device, torch, transformers, commit, date_utc}, host_bound_threshold,
+  left_out {variant: reason}, environment (verification/provenance.py: commit or source digest, GPU, library
+  versions, date), host_bound_threshold,
   failed [{variant, repeat, error}], baseline, variants {name: {
       tokens_per_s_per_gpu, step_time_s, mfu: medians over the repeats; tokens_per_s_min, tokens_per_s_max,
       tokens_per_s_spread (max-min over median); <key>_ratio for those three (ratio of medians to the baseline);
@@ -60,19 +61,7 @@ Variants (train.py overrides they set):
            falls in the first, untimed step)
   bf16-compiled  bf16-weights and compiled together, the fastest measured setup on one GPU — only without
            --launcher, as bf16-weights
-  bf16-compiled-fp32-fused  bf16-compiled with inductor's fused intermediates kept in fp32
-           (train.compile_emulate_precision_casts=false), not rounded to bf16 where eager rounds them
-  bf16-compiled-eager-reductions  bf16-compiled with inductor calling aten's sum, mean and layer-norm kernels
-           (train.compile_eager_reductions=all): the norms add in eager's order, forward and backward
-  bf16-compiled-eager-mean  bf16-compiled with inductor calling aten's mean and layer-norm kernels only
-           (train.compile_eager_reductions=mean): the norms' forward adds in eager's order
-  bf16-compiled-eager-rows  bf16-compiled with inductor calling aten's kernels for the sums and means over each row
-           and the layer norms (train.compile_eager_reductions=rows): the norms' forward and input gradients add in
-           eager's order, the sums over tokens stay inductor's
-  Every variant but bf16-weights and the bf16-compiled ones sets train.master_weights=module; every compiled one but
-  bf16-compiled-fp32-fused sets train.compile_emulate_precision_casts=true (the default), and every one but the
-  last three train.compile_eager_reductions=none (inductor's reductions; train.py's default is now rows, i.e.
-  bf16-compiled-eager-rows is train.py's compiled default).
+  Every variant but bf16-weights and bf16-compiled sets train.master_weights=module.
 """
 
 from __future__ import annotations
@@ -83,10 +72,8 @@ import itertools
 import json
 import math
 import os
-import platform
 import shlex
 import statistics
-import subprocess
 import sys
 import threading
 from collections.abc import Iterable
@@ -96,18 +83,13 @@ from pathlib import Path
 
 from core.config_tree import ConfigError
 from core.families import FAMILIES
-from scripts.launch import ROOT, log_tail, run_logged
 from training import run_files
 from training.config import load_config
+from verification.launch import log_tail, run_logged
+from verification.provenance import provenance
 
 FP32_MODULE = {"train.master_weights": "module"}
-COMPILED = {
-    "train.compile": "true",
-    "train.compile_emulate_precision_casts": "true",
-    "train.compile_eager_reductions": "none",
-    "train.compile_pad_matmuls": "true",
-    "kernels.patch_embed": "matmul",
-}
+COMPILED = {"train.compile": "true", "kernels.patch_embed": "matmul"}
 VARIANT_OVERRIDES = {
     "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
     "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
@@ -121,51 +103,6 @@ VARIANT_OVERRIDES = {
         **COMPILED,
         "train.master_weights": "optimizer",
     },
-    "bf16-compiled-fp32-fused": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "train.compile_emulate_precision_casts": "false",
-        "train.master_weights": "optimizer",
-    },
-    "bf16-compiled-eager-reductions": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "train.compile_eager_reductions": "all",
-        "train.master_weights": "optimizer",
-    },
-    "bf16-compiled-eager-mean": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "train.compile_eager_reductions": "mean",
-        "train.master_weights": "optimizer",
-    },
-    "bf16-compiled-eager-rows": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "train.compile_eager_reductions": "rows",
-        "train.master_weights": "optimizer",
-    },
-    # bf16-compiled without its two matmul levers: inductor's unpadded matmuls, then also the Conv3d patch embedding
-    # (kernels.patch_embed's default)
-    "bf16-compiled-unpadded": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "train.compile_pad_matmuls": "false",
-        "train.master_weights": "optimizer",
-    },
-    "bf16-compiled-unpadded-conv-embed": {
-        "kernels.mrope": "fused",
-        "packing.mode": "packed",
-        **COMPILED,
-        "kernels.patch_embed": "conv",
-        "train.compile_pad_matmuls": "false",
-        "train.master_weights": "optimizer",
-    },
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
@@ -173,9 +110,6 @@ RESERVED_KEYS = {
     "packing.mode",
     "train.master_weights",
     "train.compile",
-    "train.compile_emulate_precision_casts",
-    "train.compile_eager_reductions",
-    "train.compile_pad_matmuls",
     "kernels.patch_embed",
     "train.output_dir",
     "train.max_steps",
@@ -591,32 +525,6 @@ def plot(results: list[RunResult], warmup: int, title: str, path: Path) -> None:
     plt.close(fig)
 
 
-def environment() -> dict:
-    """Where the numbers come from: device, library versions, commit, date."""
-    import torch
-    import transformers
-
-    return {
-        "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else f"CPU ({platform.machine()})",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "commit": git_commit(),
-        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-    }
-
-
-def git_commit() -> str:
-    """Short commit of the checkout, '-dirty' with uncommitted changes; 'unknown' without git or a repository."""
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True)
-    except FileNotFoundError:
-        return "unknown"
-    if commit.returncode != 0:
-        return "unknown"
-    return commit.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
-
-
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     clashes = sorted({override_key(o) for o in args.overrides} & RESERVED_KEYS)
@@ -639,7 +547,7 @@ def main(argv: list[str] | None = None) -> dict:
     recipe = Path(args.config).stem
     out_dir = Path(args.out or f"artifacts/compare/{recipe}").resolve()
     group = args.group or f"compare-{recipe}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
-    env_info = environment()
+    env_info = provenance()
     print(
         f"[compare] {recipe}: {', '.join(variants)} x {args.repeats} alternating; {steps} steps, {warmup} warm-up; "
         f"wandb group {group}"
@@ -647,7 +555,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     order = [(v, repeat) for repeat in range(1, args.repeats + 1) for v in variants]  # A B A B ...
     out_dir.mkdir(parents=True, exist_ok=True)
-    title = f"{recipe} — {env_info['device']}, {env_info['date_utc']} UTC, commit {env_info['commit']}"
+    named = env_info["commit"] or f"source {env_info['source_sha256'][:12]}"
+    title = f"{recipe} — {env_info['gpu']['name']}, {env_info['date_utc']} UTC, {named}"
     results: list[RunResult] = []
     failed: list[dict] = []
     report = None

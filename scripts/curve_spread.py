@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 from scripts.distributed_parity import NOISE_MULTIPLE
+from verification.provenance import provenance
 
 DEFAULT_RUNS = ("single", "single-repeat")
 DEFAULT_LAYOUT = "bf16-compiled"
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"curve_spread: {error}", file=sys.stderr)
         return 2
     result = {
+        "provenance": provenance(),
         "layout": args.layout,
         "alpha": args.alpha,
         **test,

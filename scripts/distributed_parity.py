@@ -69,13 +69,13 @@ import os
 import shlex
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
-from scripts.launch import free_port, log_tail, run_logged
 from training import run_files
 from training.config import load_config
 from training.distributed import SAFE_COLLECTIVES_ENV
+from verification.launch import free_port, log_tail, run_logged
+from verification.provenance import provenance
 
 DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
 FAST = "bf16-compiled"
@@ -584,9 +584,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"[parity] --baseline has no result for {Path(recipe).stem}: no baseline columns for it.")
         results.append(check_recipe(recipe, steps, args, out_root, with_resume, baseline))
     report = {
-        "date_utc": datetime.now(UTC).strftime("%Y-%m-%d %H:%M"),
-        "device": f"{gpus_needed}x {torch.cuda.get_device_name(0)}",
-        "torch": torch.__version__,
+        "provenance": provenance(),
         "gpus": args.gpus,
         "layouts": args.layouts,
         "packs_per_step": args.packs_per_step,

@@ -43,6 +43,7 @@ from training import loop
 from training.config import load_config
 from training.setup import build_accelerator, build_training
 from training.step import PHASE
+from verification.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -383,7 +384,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "config": args.config,
         "overrides": args.overrides,
-        "device": torch.cuda.get_device_name(device) if on_cuda else "CPU",
+        "provenance": provenance(),
         "on_cuda": on_cuda,
         "fused_rope": setup.fused_rope,
         "warmup": args.warmup,

@@ -312,44 +312,21 @@ def test_variant_selection_refuses_bad_requests():
 
 def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():
     """bf16-weights is the fused variant with train.master_weights=optimizer, bf16-compiled the compiled one (every
-    other variant sets module, and a user override of the key is refused), bf16-compiled-fp32-fused that one with
-    inductor's fp32 intermediates, bf16-compiled-eager-reductions, -eager-mean and -eager-rows with aten's reductions
-    (all, the means only, or the row reductions); they are left out under
-    --launcher (one process only); a tokens/s ratio and loss gap are named against fused."""
+    other variant sets module, and a user override of the key is refused); both are left out under --launcher (one
+    process only); a tokens/s ratio and loss gap are named against fused."""
     bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
     on_bf16 = {n for n, v in compare.VARIANT_OVERRIDES.items() if v["train.master_weights"] == "optimizer"}
-    eager_variants = {"bf16-compiled-eager-reductions", "bf16-compiled-eager-mean", "bf16-compiled-eager-rows"}
-    unpadded = {"bf16-compiled-unpadded", "bf16-compiled-unpadded-conv-embed"}
-    assert on_bf16 == {"bf16-weights", "bf16-compiled", "bf16-compiled-fp32-fused", *eager_variants, *unpadded}
+    assert on_bf16 == {"bf16-weights", "bf16-compiled"}
     assert {v["train.master_weights"] for n, v in compare.VARIANT_OVERRIDES.items() if n not in on_bf16} == {"module"}
     assert "train.master_weights" in compare.RESERVED_KEYS
-    kept, left_out = compare.select_variants(
-        "fused,bf16-weights,unfused,bf16-compiled,bf16-compiled-fp32-fused,bf16-compiled-eager-reductions,"
-        "bf16-compiled-eager-mean,bf16-compiled-eager-rows,bf16-compiled-unpadded,bf16-compiled-unpadded-conv-embed",
-        "qwen2_5_vl",
-        "accelerate",
-    )
+    kept, left_out = compare.select_variants("fused,bf16-weights,unfused,bf16-compiled", "qwen2_5_vl", "accelerate")
     assert kept == ["fused", "unfused"] and left_out.keys() == on_bf16
     assert all("DDP refuses it" in reason for reason in left_out.values())
     both = compare.VARIANT_OVERRIDES["bf16-compiled"]
     assert both == {**compare.VARIANT_OVERRIDES["compiled"], "train.master_weights": "optimizer"}
-    fp32_fused = compare.VARIANT_OVERRIDES["bf16-compiled-fp32-fused"]
-    assert fp32_fused == {**both, "train.compile_emulate_precision_casts": "false"}
-    eager_reductions = compare.VARIANT_OVERRIDES["bf16-compiled-eager-reductions"]
-    assert eager_reductions == {**both, "train.compile_eager_reductions": "all"}
-    assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-mean"] == {**both, "train.compile_eager_reductions": "mean"}
-    assert compare.VARIANT_OVERRIDES["bf16-compiled-eager-rows"] == {**both, "train.compile_eager_reductions": "rows"}
-    unpadded_variant = compare.VARIANT_OVERRIDES["bf16-compiled-unpadded"]
-    assert unpadded_variant == {**both, "train.compile_pad_matmuls": "false"}
-    assert compare.VARIANT_OVERRIDES["bf16-compiled-unpadded-conv-embed"] == {
-        **unpadded_variant,
-        "kernels.patch_embed": "conv",
-    }
-    assert both["train.compile_pad_matmuls"] == "true" and both["kernels.patch_embed"] == "matmul"
-    assert {"train.compile_pad_matmuls", "kernels.patch_embed"} <= compare.RESERVED_KEYS
-    assert both["train.compile_emulate_precision_casts"] == "true" and both["train.compile_eager_reductions"] == "none"
-    assert {"train.compile_emulate_precision_casts", "train.compile_eager_reductions"} <= compare.RESERVED_KEYS
+    assert both["train.compile"] == "true" and both["kernels.patch_embed"] == "matmul"
+    assert {"train.compile", "kernels.patch_embed"} <= compare.RESERVED_KEYS
     results = [
         _result("fused", [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], 100.0),
         _result("bf16-weights", [5.0, 4.05, 3.0], [0.9, 0.8, 0.9], 125.0),

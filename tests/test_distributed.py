@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from scripts.launch import free_port, run_logged
 from training import run_files
+from verification.launch import free_port, run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"

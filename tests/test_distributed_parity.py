@@ -317,11 +317,11 @@ def test_fast_overrides_and_repeat_reach_the_fast_launches_only():
     """--fast-override items come last in the bf16-compiled launch (after its own keys, so they win) and nowhere
     else; --repeat-fast launches it again right after it with the same overrides, one GPU, judged like it."""
     argv = ["--out", "x.json", "--layouts", "single,bf16-compiled", "--repeat-single", "--repeat-fast"]
-    argv += ["--fast-override", "kernels.patch_embed=matmul", "--fast-override", "train.compile_eager_reductions=all"]
+    argv += ["--fast-override", "kernels.patch_embed=matmul", "--fast-override", "data.video_share=0.5"]
     plan = parity.launch_plan(parity.parse_args([*argv, "data.num_samples=40"]), steps=10, with_resume=False)
     assert list(plan) == ["single", parity.REPEAT, parity.FAST, parity.FAST_REPEAT]
     fast_keys = ["train.master_weights=optimizer", "train.compile=true", "kernels.patch_embed=matmul"]
-    assert plan[parity.FAST] == [*plan["single"], *fast_keys, "train.compile_eager_reductions=all"]
+    assert plan[parity.FAST] == [*plan["single"], *fast_keys, "data.video_share=0.5"]
     assert plan[parity.FAST_REPEAT] == plan[parity.FAST]
     assert "kernels.patch_embed=matmul" not in plan["single"] and "data.num_samples=40" in plan["single"]
     assert parity.num_processes(parity.FAST_REPEAT, 2) == 1

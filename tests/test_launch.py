@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from scripts.launch import free_port, log_tail, run_logged
+from verification.launch import free_port, log_tail, run_logged
 
 
 def test_exit_code_and_log_tail(tmp_path):

@@ -3,10 +3,8 @@
 One compiled region per block rather than one whole-model graph: every layer of a stack shares its code, so dynamo
 traces one layer and reuses the code for the others (compile time grows with the number of distinct blocks, not
 with depth), and the model's own Python — vision/text merge, deepstack, position bookkeeping, the loss — stays eager.
-Inside a block inductor fuses the elementwise work around the matmuls (checked on a Qwen2.5-VL text layer: five
-fused kernels, RMSNorm, residual add + RMSNorm, SwiGLU, the last residual add, the CPU path's mask), so no
-hand-written kernel is needed; only a layer's last residual add and the next layer's first RMSNorm stay apart, in
-two regions.
+Inside a block inductor fuses the elementwise work around the matmuls (RMSNorm, residual add + RMSNorm, SwiGLU), so
+no hand-written kernel is needed.
 
 Dynamic shapes: a pack's token count, sample count and longest sample change every step, so blocks compile with
 `dynamic=True` (sizes that meet a parameter's, like the hidden width, specialize to it; the token axis, the
@@ -24,22 +22,27 @@ traced, each would recompile for every pack. Their decoder layers compile with `
 residuals and MLP around the mixer still compile (two graphs per such layer). Such a layer's compiled frame only
 hands the pack (`packed_seqlens`: a PackedSeqlens, or a context-parallel ContextShard) on to the mixer, so it gets it
 boxed in a plain object (`_PassedThrough`) that the mixer's eager wrapper unboxes: dynamo guards on the box's type
-and on nothing inside. Given the pack itself, a frozen dataclass, torch 2.11's dynamo builds a (lazy) variable for
-every field and the graph break before the eager call realizes them: `len(sample_lengths) == n` became a guard and
-every pack with a new sample count recompiled the layer (2.13 builds no fields and never guarded it). Full-attention
-layers take the pack unboxed and read only its `cu_seqlens` and `max_seqlen`. Also eager: embeddings, patch
-embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
+and on nothing inside. Given the pack itself, a frozen dataclass, dynamo (torch 2.11) builds a variable for every
+field, and `len(sample_lengths) == n` becomes a guard that recompiles the layer for every new sample count.
+Full-attention layers take the pack unboxed and read only its `cu_seqlens` and `max_seqlen`. Also eager:
+embeddings, patch embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
+
+Numerics: inductor rounds fused intermediates to bf16 where eager stores bf16 (`emulate_precision_casts`), and the
+norms' row reductions run on aten's kernels (training/eager_reductions.py), so a compiled block's forward and input
+gradients add in eager's order; matmul dimensions that are not a multiple of 8 are padded (`force_shape_pad`), so
+cuBLAS runs its Hopper kernels instead of an sm80 fallback for 4-byte alignment (Qwen2.5-VL's ViT MLPs are 3420
+wide). docs/numerics.md has what each costs and how the compiled curve is checked against eager's.
 
 Gradient checkpointing stays outside the compiled region. What is compiled is the block's own forward (the class's,
 without transformers' checkpointing wrapper); the block's `forward` becomes an eager function that checkpoints the
 compiled forward when checkpointing is on and calls it directly otherwise. The backward's recompute therefore calls
 the same compiled forward again (no re-trace, no eager fallback), and a layer whose forward has a graph break (a
 Qwen3.5 Gated DeltaNet layer) still compiles around it. Compiling the module call instead (`_call_impl`, through
-transformers' wrapper) failed Qwen3.5 twice: under checkpointing dynamo traces the checkpoint as one higher-order op,
-which cannot hold a graph break, so every decoder layer ran eagerly, forward and recompute; and since every block's
-call was the wrapper's one code object, a full-attention layer reused a Gated DeltaNet layer's cached code (its
-guards never read the layer type) and ran eagerly even without checkpointing. Module hooks (FSDP2's) run eagerly
-around the compiled forward, outside the checkpoint, as transformers' own wrapper keeps them.
+transformers' wrapper) does not work for Qwen3.5: under checkpointing dynamo traces the checkpoint as one
+higher-order op, which cannot hold a graph break, so every decoder layer would run eagerly; and since every block's
+call is the wrapper's one code object, a full-attention layer would reuse a Gated DeltaNet layer's cached code (its
+guards never read the layer type). Module hooks (FSDP2's) run eagerly around the compiled forward, outside the
+checkpoint, as transformers' own wrapper keeps them.
 
 Compilation happens lazily, at the first forward of each block: the first training step carries it.
 """
@@ -58,7 +61,7 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from training import gated_delta
-from training.eager_reductions import LOWERED, EagerReductions, lower_setting
+from training.eager_reductions import lower_norm_reductions
 from training.packed import PACK_KWARG
 from training.parts import inner_model
 
@@ -73,13 +76,8 @@ _DISTINCT_SYMBOLS = torch.fx.experimental._config.patch(use_duck_shape=False)
 # a view, Qwen3.5's linear- and full-attention layers, each in training and in eval (grad mode). Bounded (pack shapes
 # add none), but it can exceed 8.
 RECOMPILE_LIMIT = 64
-# What the report says each eager_reductions setting leaves to aten's kernels
-_ATEN_REDUCTIONS = {
-    "none": "",
-    "mean": "means and layer norms",
-    "rows": "row sums and means, and layer norms",
-    "all": "sums, means and layer norms",
-}
+# Inductor settings compile_blocks holds for the run (module docstring: Numerics)
+INDUCTOR_SETTINGS = {"emulate_precision_casts": True, "force_shape_pad": True}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,52 +89,30 @@ class CompileReport:
     eager_mixers: tuple[str, ...]
     dynamo_config: dict  # the dynamo settings compile_blocks changed, as they were before
     inductor_config: dict  # likewise for inductor's
-    eager_reductions: EagerReductions  # which reductions inductor leaves to aten's kernels
-    undo_eager_reductions: Callable[[], None] | None  # puts inductor's own reductions back (None: "none")
+    undo_norm_reductions: Callable[[], None]  # puts inductor's own reductions back
 
     def __str__(self) -> str:
-        lowered = _ATEN_REDUCTIONS[self.eager_reductions]
-        reductions = f"; {lowered} on aten's kernels" if lowered else ""
         return (
             f"regional compile: {len(self.fullgraph)} blocks fullgraph, {len(self.with_eager_mixer)} decoder layers "
-            f"around {len(self.eager_mixers)} eager Gated DeltaNet mixers{reductions}; compiles at the first step"
+            f"around {len(self.eager_mixers)} eager Gated DeltaNet mixers; norms' row reductions on aten's kernels; "
+            "compiles at the first step"
         )
 
 
-def compile_blocks(
-    model: nn.Module,
-    backend: str | Callable = "inductor",
-    emulate_precision_casts: bool = True,
-    eager_reductions: EagerReductions = "none",
-    pad_matmuls: bool = True,
-) -> CompileReport:
+def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> CompileReport:
     """Compile every decoder layer of `model.model.language_model.layers` and every ViT block of
     `model.model.visual.blocks` in place, with dynamic shapes; call it after the rope patch, the packed forward,
     freezing and gradient checkpointing, before accelerate wraps the model.
 
-    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). emulate_precision_casts: inductor rounds a
-    fused kernel's intermediates to the dtype eager stores them in (bf16 under autocast), as eager does; off, it keeps
-    them in fp32. Either way a compiled layer is as accurate as eager against float64 without equalling it (CPU, one
-    decoder layer: scripts/compile_accuracy.py); on, it is about twice as close, at no measured cost
-    (docs/benchmarks.md, "Thirteenth session"). eager_reductions: "mean", "rows" or "all" has inductor call aten's own
-    kernels for the norms' forward (means; layer norms whole), for the sums and means over each row, or for every sum,
-    mean and layer norm instead of generating reductions (training/eager_reductions.py), so the norms add in eager's
-    order: with "all", a compiled decoder layer then equals eager bit for bit on the CPU, and the 3B shape's 30-step
-    curve stays with eager's, at 5% of its speed. pad_matmuls: inductor pads every matmul dimension that is not a
-    multiple of 8 with zeros (its force_shape_pad): at 4-byte alignment (Qwen2.5-VL's ViT MLPs, 3420 wide) cuBLAS
-    falls back to an sm80 kernel that ran a compiled ViT MLP's forward and backward in 10.4 ms on the H200 where the
-    padded one took 8.1 ms (docs/benchmarks.md, "Nineteenth session"); inductor's own padding heuristic left those
-    matmuls unpadded. Each block's own forward is compiled and set as the block's
-    `forward`, inside an eager gradient checkpoint when the block checkpoints (module docstring). Parameters,
-    buffers and state-dict keys are unchanged. Raises dynamo's recompile limit to RECOMPILE_LIMIT and makes hitting
-    it an error. Raises ValueError if the model is already compiled, has no such blocks, a block already has a
-    forward of its own, or eager_reductions is none of
-    LOWERED's keys. Undo with `uncompile_blocks(model)`.
+    backend: torch.compile's backend ("inductor"; tests use "aot_eager"). Sets inductor's INDUCTOR_SETTINGS and
+    lowers the norms' row reductions to aten's kernels for as long as the blocks stay compiled (module docstring:
+    Numerics). Each block's own forward is compiled and set as the block's `forward`, inside an eager gradient
+    checkpoint when the block checkpoints. Parameters, buffers and state-dict keys are unchanged. Raises dynamo's
+    recompile limit to RECOMPILE_LIMIT and makes hitting it an error. Raises ValueError if the model is already
+    compiled, has no such blocks, or a block already has a forward of its own. Undo with `uncompile_blocks(model)`.
     """
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError("this model's blocks are already compiled.")
-    if eager_reductions not in LOWERED:
-        raise ValueError(f"eager_reductions must be one of {list(LOWERED)}, got {eager_reductions!r}.")
     inner = inner_model(model)
     named = [
         ("model.language_model.layers", inner.language_model, "layers"),
@@ -144,9 +120,7 @@ def compile_blocks(
     ]
     dynamo_config = {"recompile_limit": torch._dynamo.config.recompile_limit}
     dynamo_config["fail_on_recompile_limit_hit"] = torch._dynamo.config.fail_on_recompile_limit_hit
-    inductor_config = {
-        name: getattr(torch._inductor.config, name) for name in ("emulate_precision_casts", "force_shape_pad")
-    }
+    inductor_config = {name: getattr(torch._inductor.config, name) for name in INDUCTOR_SETTINGS}
     fullgraph, with_mixer, mixers = [], [], []
     for prefix, parent, attr in named:
         blocks = getattr(parent, attr, None)
@@ -174,18 +148,11 @@ def compile_blocks(
     # Past the limit dynamo would silently run the block eagerly: make that an error instead.
     torch._dynamo.config.recompile_limit = max(RECOMPILE_LIMIT, dynamo_config["recompile_limit"])
     torch._dynamo.config.fail_on_recompile_limit_hit = True
-    # Read when a block compiles (its first forward), so it stays set until uncompile_blocks.
-    torch._inductor.config.emulate_precision_casts = emulate_precision_casts
-    torch._inductor.config.force_shape_pad = pad_matmuls
-    undo_eager_reductions = None if eager_reductions == "none" else lower_setting(eager_reductions)
+    # Read when a block compiles (its first forward), so they stay set until uncompile_blocks.
+    for name, value in INDUCTOR_SETTINGS.items():
+        setattr(torch._inductor.config, name, value)
     report = CompileReport(
-        tuple(fullgraph),
-        tuple(with_mixer),
-        tuple(mixers),
-        dynamo_config,
-        inductor_config,
-        eager_reductions,
-        undo_eager_reductions,
+        tuple(fullgraph), tuple(with_mixer), tuple(mixers), dynamo_config, inductor_config, lower_norm_reductions()
     )
     setattr(model, _STATE_ATTR, report)
     log.info("%s", report)
@@ -210,8 +177,7 @@ def uncompile_blocks(model: nn.Module) -> None:
         setattr(torch._dynamo.config, name, value)
     for name, value in report.inductor_config.items():
         setattr(torch._inductor.config, name, value)
-    if report.undo_eager_reductions is not None:
-        report.undo_eager_reductions()
+    report.undo_norm_reductions()
     setattr(model, _STATE_ATTR, None)
 
 

@@ -84,22 +84,6 @@ class TrainConfig:
     # Regional torch.compile: every decoder layer and ViT block compiled in place with dynamic shapes (inductor),
     # Qwen3.5's Gated DeltaNet mixers left eager (training/compile.py); the first step carries the compile time
     compile: bool = False
-    # With compile: inductor rounds fused intermediates to bf16 where eager stores bf16 (emulate_precision_casts),
-    # closer to eager's numbers at no measured cost; false keeps them fp32 (training/compile.py)
-    compile_emulate_precision_casts: bool = True
-    # With compile: which reductions inductor leaves to aten's kernels (training/eager_reductions.py), so the norms
-    # add in eager's order. "rows" (the default since the twentieth session; it was "none"): the sums and means over
-    # each row and the layer norms, i.e. the norms' forward and input gradients as eager has them. Its 30-step curve
-    # is within the eager path's run-to-run spread (scripts/curve_spread.py: p = 0.06 over four draws), where
-    # "none"'s is outside it (p = 0.04: inductor's own norm reductions shift the curve); it costs nothing on the 3B
-    # shape and 3% on the 8B shape, whose ViT norms are nn.LayerNorms (docs/benchmarks.md, "Twentieth session").
-    # "none": inductor's reductions, that 3% back on LayerNorm ViTs. "mean": the norms' forward only (2.6% on the
-    # 3B shape; its curve left eager's). "all": every sum, mean and layer norm (the curve nearest eager's, 5% slower)
-    compile_eager_reductions: Literal["none", "mean", "rows", "all"] = "rows"
-    # With compile: inductor pads a matmul's dimensions that are not a multiple of 8 with zeros (force_shape_pad), so
-    # cuBLAS runs its Hopper kernels, not the sm80 fallback for 4-byte alignment (the ViT MLPs' 3420 lanes of
-    # Qwen2.5-VL; training/compile.py)
-    compile_pad_matmuls: bool = True
 
     def validate(self) -> None:
         if self.lr <= 0:

@@ -114,12 +114,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
     if cfg.train.compile:
-        compile_blocks(
-            model,
-            emulate_precision_casts=cfg.train.compile_emulate_precision_casts,
-            eager_reductions=cfg.train.compile_eager_reductions,
-            pad_matmuls=cfg.train.compile_pad_matmuls,
-        )
+        compile_blocks(model)
     log.info(
         "rope: %s; trainable parameters per part: %s",
         "fused (Triton)" if fused_rope else "reference (fused ops, PyTorch math)" if rope else "unfused",

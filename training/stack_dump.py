@@ -1,5 +1,5 @@
 """`kill -USR1 <pid>` on a training process prints every thread's Python stack to stderr (faulthandler) for the
-whole run: where a run that stopped making progress waits. scripts/launch.py asks for it before a timeout kill.
+whole run: where a run that stopped making progress waits. verification/launch.py asks for it before a timeout kill.
 
 Triton's LLVM can take SIGUSR1 over the first time it compiles a kernel in a process (3.6 on the GPU machine and 3.9
 on a dev machine did; 3.9 on the CI machine did not): LLVM registers it as an "info" signal and answers it with

@@ -1,7 +1,8 @@
-"""Launching train.py from the scripts: one run in its own process, its output in a log file, killed (with every
-process under it) on timeout, and the end of the log for the error message.
+"""Launching train.py runs: one run in its own process, its output in a log file, killed (with every process under
+it) on timeout, and the end of the log for the error message.
 
-Used by compare_throughput.py and distributed_parity.py; `free_port` gives a launcher's rendezvous port.
+Used by scripts/compare_throughput.py, scripts/distributed_parity.py and the multi-process tests; `free_port` gives
+a launcher's rendezvous port.
 """
 
 from __future__ import annotations
