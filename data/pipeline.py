@@ -299,7 +299,7 @@ class StepLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
-        if self.step_in_epoch % self.grad_accum_steps:  # saved with another grad_accum_steps, or by an older version
+        if self.step_in_epoch % self.grad_accum_steps:  # saved with another grad_accum_steps
             logger.warning(
                 "%s loader resumes at micro-step %d of epoch %d, inside a group of grad_accum_steps=%d: until the "
                 "epoch ends, optimizer steps pair different micro-batches than an uninterrupted run would.",

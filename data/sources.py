@@ -78,8 +78,8 @@ def _json_records(path: str, content_digest: str):
 
 
 def file_digest(path: str) -> str:
-    """A content hash of a file: strong where size and mtime are not (a rewrite within the same second), and at
-    ~1 GB/s cheap next to processing the records."""
+    """A content hash of a file: strong where size and mtime are not (a rewrite within the same second), and
+    cheap next to processing the records."""
     with open(path, "rb") as handle:
         return hashlib.file_digest(handle, "blake2b").hexdigest()[:32]
 

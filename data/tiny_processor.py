@@ -90,7 +90,7 @@ def vision_geometry(model_config: PretrainedConfig) -> tuple[int, int, int]:
 
 
 def build_tiny_processor(model_config: PretrainedConfig):
-    """A fresh tiny processor for `model_config`'s family and vision geometry (trains the tokenizer: ~1 s)."""
+    """A fresh tiny processor for `model_config`'s family and vision geometry (trains the tokenizer)."""
     processor_class = image_only_processor_class(model_config.model_type)
     patch_size, merge_size, temporal_patch_size = vision_geometry(model_config)
     pixels_per_token = (patch_size * merge_size) ** 2

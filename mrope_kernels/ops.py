@@ -7,14 +7,14 @@ CONJUGATE) and save only what the angles come from: text positions and inv_freq,
 The vision table (`vision_rope_table`, (T, D) fp32) is built once per vision tower forward by the patch and shared
 by every block's forward and backward: per block, the kernel then only reads it.
 
-Host cost per call is kept to what a training step needs (at T = 1, host time is all of a call's time; a layer
-stack at T = 16k was host-bound): validation depends only on tensor metadata (shapes, strides, dtypes, devices) and
-the static args, so a call signature is validated once. Its `_Rope`, found by one dict hit on later calls, carries
-the launch plans (`triton_rope.launch_plan`) of its forward and of its backward per gradient layout, and each plan
-the compiled kernels it launches directly (`triton_rope.launch`). A repeated forward is that dict hit, two
-allocations and the driver's launch (plus the kernel's dict hit); a backward adds one dict hit for the gradients'
-layout. transformers' (B, H, S, D) views rotate as they are (`heads_first`): transposed views would cost µs each in
-the forward and add autograd nodes to the backward.
+Host cost per call is kept small: at small T host time is all of a call's time, and a layer stack at 16k tokens
+can be host-bound (docs/performance.md). Validation depends only on tensor metadata (shapes, strides, dtypes,
+devices) and the static args, so a call signature is validated once. Its `_Rope`, found by one dict hit on later
+calls, carries the launch plans (`triton_rope.launch_plan`) of its forward and of its backward per gradient layout,
+and each plan the compiled kernels it launches directly (`triton_rope.launch`). A repeated forward is that dict hit,
+two allocations and the driver's launch (plus the kernel's dict hit); a backward adds one dict hit for the
+gradients' layout. transformers' (B, H, S, D) views rotate as they are (`heads_first`): transposed views would add
+host time to the forward and autograd nodes to the backward.
 
 Under torch.compile the same Function is traced; it reaches the kernel through the opaque custom op
 `mrope_kernels::rope` (fake impl: outputs like the inputs), so `fullgraph=True` traces without a graph break.
@@ -163,8 +163,8 @@ class _RopeFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        # once_differentiable acts only with grad mode on (create_graph=True); off, it would only add its no_grad
-        # (µs per call).
+        # once_differentiable acts only with grad mode on (create_graph=True); off, it would only add its no_grad's
+        # host time.
         return (_rotate_back_once if torch.is_grad_enabled() else _rotate_back)(ctx, grad_q, grad_k)
 
 

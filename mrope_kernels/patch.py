@@ -39,7 +39,7 @@ from mrope_kernels import ops
 
 logger = logging.getLogger(__name__)
 
-# transformers versions whose six Qwen-VL modeling files this patch was read against and tested with.
+# transformers versions whose six Qwen-VL modeling files the patch is written and tested against.
 TESTED_TRANSFORMERS_VERSIONS = ("5.17.0", "5.23.0")
 
 TEXT_APPLY = "apply_rotary_pos_emb"
@@ -397,7 +397,7 @@ def _make_text_apply(original):
             return original(q, k, cos, sin, unsqueeze_dim)
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"unsqueeze_dim must be 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim}.")
-        # (B, H, S, D) rotates as it is: transposed views would cost µs each, forward and as backward nodes.
+        # (B, H, S, D) rotates as it is: transposed views would add host time, forward and as backward nodes.
         return ops.apply_mrope(
             q, k, cos, sin.inv_freq, sin.mrope_section, sin.interleaved, sin.attention_scaling,
             heads_first=unsqueeze_dim == 1,

@@ -13,11 +13,11 @@ forward with the angle negated):
 
 The launcher derives grid, strides and constexprs once per input signature (`launch_plan`, `vision_launch_plan`).
 The first launch of each specialization (plan, device, every tensor's 16-byte alignment) goes through Triton's
-JIT, which binds and specializes the arguments, finds or compiles the kernel and launches it, ~50 µs of host time
-per call on an H200 host with Triton 3.6; the launcher keeps the compiled kernel it returns and launches it
-directly from then on, as the JIT's own last step does (`launch`). So a repeated call costs a dict hit or two and
-the driver's launch. Launch hooks (profilers), Triton's debug and instrumentation modes and the interpreter keep
-the JIT path on every call.
+JIT, which binds and specializes the arguments, finds or compiles the kernel and launches it; that host work
+dominates a call at small T. The launcher keeps the compiled kernel the JIT returns and launches it directly from
+then on, as the JIT's own last step does (`launch`), so a repeated call costs a dict hit or two and the driver's
+launch (docs/performance.md). Launch hooks (profilers), Triton's debug and instrumentation modes and the
+interpreter keep the JIT path on every call.
 
 This module has no autograd and no transformers import; `mrope_kernels.ops` validates inputs and wraps it.
 """
@@ -45,15 +45,16 @@ LAYOUT_VISION = 2  # ViT 2-D: lanes [0,D/4) row, [D/4,D/2) column; the frequency
 # The interpreter runs on CPU tensors with numpy and knows nothing of libdevice; triton decides this at import time.
 RUNS_IN_INTERPRETER = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
-# Elements per (tokens × heads × half-lanes) tile of `_rope_kernel`. Swept on an H200 at 16k tokens (BLOCK_T 1-16,
-# 2-8 warps): one token per program with all heads (1024 half-lane elements, 2 warps) was fastest in the text cases
-# but Qwen3.5's (below: 4 warps), near the copy floor (docs/benchmarks.md); larger tiles were 5-30% slower.
+# Elements per (tokens × heads × half-lanes) tile of `_rope_kernel`: one token per program with all its heads
+# (1024 half-lane elements, 2 warps) is the fastest tile on an H200 for the text shapes, near the speed of a plain
+# copy of q and k; larger tiles are slower (docs/performance.md). Qwen3.5's wide pass-through copy takes 4 warps
+# (`default_launch_config`).
 _TILE_ELEMENTS = 1024
 _MAX_HEADS_PER_TILE = 16
 _MAX_ALIGN = 16  # element alignment hint cap (16 bf16 = 32 B, two 128-bit vectors)
-# `_vision_table_kernel`'s tile: ~2048 elements on 4 warps, the ViT 16x72 prototype's best on an H200 (43.0 µs forward
-# against the copy floor's 44.0; docs/benchmarks.md, twenty-fourth session). In the product's sweep (twenty-fifth
-# session, one round each) 1024 elements on 4 warps took 44.7 µs against this default's 46.7; chunks <= 1024.
+# `_vision_table_kernel`'s tile: ~2048 elements on 4 warps, close to the speed of a plain copy of q and k for the
+# ViT's 16 heads × 72 lanes on an H200; 1024-element tiles are about as fast (docs/performance.md). A strided
+# token's elements run in chunks of at most 1024.
 _VISION_TILE_ELEMENTS = 2048
 _VISION_MAX_CHUNK = 1024
 _VISION_WARPS = 4
@@ -319,8 +320,8 @@ def default_launch_config(
 ) -> tuple[int, int, int, int]:
     """(BLOCK_T, BLOCK_HQ, BLOCK_HK, num_warps) of `_rope_kernel`: ~_TILE_ELEMENTS per program's widest tile, the
     rotation tile (`block_half` wide) or the pass-through copy (`pass_lanes`: 256 for Qwen3.5's 192 lanes), never
-    under one token; 2 warps up to twice that, 4 above. The H200 sweep of 2026-12-02 (docs/benchmarks.md, sixteenth
-    session): Qwen3.5's one-token tile with its 4096-element copy 9% faster than the two-token tile it had."""
+    under one token; 2 warps up to twice that, 4 above. Counting the pass-through copy matters for Qwen3.5: its
+    4096-element copy tile makes one token per program on 4 warps, faster than two tokens (docs/performance.md)."""
     block_hq = min(triton.next_power_of_2(n_heads_q), _MAX_HEADS_PER_TILE)
     block_hk = min(triton.next_power_of_2(n_heads_k), _MAX_HEADS_PER_TILE)
     block_t = max(1, _TILE_ELEMENTS // (block_hq * max(block_half, pass_lanes)))
@@ -405,9 +406,9 @@ def vision_launch_plan(
     num_warps=None,
 ):  # fmt: skip
     """The `_vision_table_kernel` plan of one input signature: q, q_out (T, Hq, D) shape and strides, k, k_out
-    likewise; the dtypes of (q, k, q_out, k_out, table). Dense tensors of one shape run flat (the ViT prototype's
-    layout: 0.97-0.99x the copy floor on an H200); others by token and head strides, in chunks of the largest power
-    of two (<= 1024) dividing both H · D. Tiles of ~2048 elements on 4 warps."""
+    likewise; the dtypes of (q, k, q_out, k_out, table). Dense tensors of one shape run as one flat run of elements
+    (no per-token offsets, close to a copy's speed: docs/performance.md); others by token and head strides, in chunks of
+    the largest power of two (<= 1024) dividing both H · D. Tiles of ~2048 elements on 4 warps."""
     n_tokens, n_heads_q, head_dim = q_shape
     row_q, row_k = n_heads_q * head_dim, k_shape[1] * head_dim
     dense_strides = (row_q, head_dim, 1)

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_bench_packing_runs_the_training_module_on_tiny_dims(tmp_path):
     """Every variant of both datasets runs; packs compute only real tokens (no padding), padded batches compute more
     than they count, and every variant counts the same real tokens of its dataset it got through."""

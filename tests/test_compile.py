@@ -27,6 +27,7 @@ import train
 from data.processing import IGNORE_INDEX
 from mrope_kernels.patch import patch_model
 from tests.test_distributed import WORKER_EXIT
+from tests.tiers import tiered
 from training import compile as regional
 from training import gated_delta, packed, parts
 from training.config import load_config
@@ -55,16 +56,25 @@ TOLERANCE = 1e-5  # fp32: the masked SDPA that compiled CPU attention runs sums 
 
 
 @pytest.fixture(autouse=True)
-def fresh_dynamo():
+def fresh_dynamo(monkeypatch):
     """Every test compiles from scratch (dynamo's caches hang off the shared layer code, not off one model) and
-    leaves dynamo's settings as it found them (compile_blocks raises the recompile limit)."""
+    leaves dynamo and inductor as it found them: every model a test compiled and left compiled is uncompiled at its
+    end (compile_blocks' inductor settings and norm lowerings are process-wide)."""
     torch._dynamo.reset()
     counters.clear()
-    with torch._dynamo.config.patch(
-        recompile_limit=torch._dynamo.config.recompile_limit,
-        fail_on_recompile_limit_hit=torch._dynamo.config.fail_on_recompile_limit_hit,
-    ):
-        yield
+    compiled = []
+    compile_blocks = regional.compile_blocks
+
+    def recording(model, *args, **kwargs):
+        report = compile_blocks(model, *args, **kwargs)
+        compiled.append(model)
+        return report
+
+    monkeypatch.setattr(regional, "compile_blocks", recording)
+    yield
+    for model in reversed(compiled):
+        if getattr(model, regional._STATE_ATTR, None) is not None:
+            regional.uncompile_blocks(model)
     torch._dynamo.reset()
 
 
@@ -98,7 +108,13 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> Non
 
 
 @pytest.mark.parametrize(
-    ("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen3_vl", True), ("qwen3_5", False), ("qwen3_5", True)]
+    ("family", "checkpointing"),
+    [
+        ("qwen2_5_vl", False),
+        pytest.param("qwen3_vl", True, marks=pytest.mark.slow),
+        pytest.param("qwen3_5", False, marks=pytest.mark.slow),
+        pytest.param("qwen3_5", True, marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_blocks_equal_eager(tiny_model, tiny_samples, family, checkpointing):
     """Loss and every parameter gradient of compiled blocks equal the eager model's (fp32) over packs of different
@@ -129,6 +145,7 @@ def _first_call_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: di
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
 @pytest.mark.parametrize("part", ["text", "vision"])
+@pytest.mark.slow
 def test_attention_block_is_one_graph_and_equals_eager(tiny_model, tiny_samples, family, part):
     """A text decoder layer with full attention (fused rope custom op, packed attention, MLP) and a ViT block trace
     with zero graph breaks; compiled with fullgraph=True, forward and backward equal eager (fp32)."""
@@ -158,6 +175,7 @@ def test_attention_block_is_one_graph_and_equals_eager(tiny_model, tiny_samples,
         assert_close(grad, expected, "parameter gradient")
 
 
+@pytest.mark.slow
 def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_samples):
     """A Qwen3.5 linear-attention decoder layer compiles around its Gated DeltaNet mixer: exactly one graph break,
     the `torch.compiler.disable` that keeps the mixer eager."""
@@ -171,6 +189,7 @@ def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_s
     assert "Gated DeltaNet runs eagerly" in str(explanation.break_reasons[0])
 
 
+@pytest.mark.slow
 def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_model, tiny_samples, monkeypatch):
     """The pack reaches each eager mixer through its layer's compiled frame in a plain box, never as the frozen
     dataclass itself: given that, torch 2.11's dynamo guards on its sample count and recompiles every new pack (the
@@ -196,6 +215,7 @@ def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
+@pytest.mark.slow
 def test_packs_of_new_shapes_reuse_the_first_graphs(tiny_model, tiny_samples, family):
     """After the first pack (and gradient checkpointing on), packs of other lengths and sample counts compile
     nothing new: any recompile is an error. The first pack compiles at most two graphs per kind of block (text
@@ -242,6 +262,7 @@ def _set_checkpointing(blocks: list[torch.nn.Module], enabled: bool) -> None:
 
 
 @pytest.mark.parametrize("family", ["qwen3_vl", "qwen3_5"])
+@pytest.mark.slow
 def test_checkpointing_replays_the_compiled_forward(tiny_model, tiny_samples, family):
     """With gradient checkpointing on (text layers and ViT blocks), every block runs compiled code in the forward and
     again in the backward's recompute: per pack, every block runs its compiled forward graphs (one, or two around an
@@ -353,6 +374,7 @@ def test_which_reductions_are_row_reductions(dims, rank, rows_only):
     assert reduces_rows_only(dims, rank) is rows_only
 
 
+@pytest.mark.slow
 def test_inductor_rounds_as_eager_only_with_emulated_casts():
     """Why compile_blocks sets inductor's emulate_precision_casts: a bf16 elementwise chain compiled by inductor equals
     eager bit for bit only when inductor rounds each intermediate to bf16 as eager stores it; by default it keeps
@@ -391,7 +413,7 @@ def test_compile_is_off_by_default_in_every_recipe():
     assert not any(load_config(str(path)).train.compile for path in recipes)
 
 
-@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("enabled", tiered([True, False], fast=[False]))
 def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path, monkeypatch, enabled):
     """train.compile=true compiles the blocks once, before accelerate wraps the model, trains, and writes the first
     step's wall and compile time to metrics.jsonl once; train.compile=false (the default) compiles nothing and
@@ -427,8 +449,6 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         train.main(args)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
-        for report in compiled:  # inductor's lowerings are process-wide
-            report.undo_norm_reductions()
     records = read_metrics(tmp_path / "run")
     first = [r for r in records if "first_step_s" in r]
     assert len([r for r in records if "loss" in r]) == 2
@@ -498,6 +518,7 @@ def varlen_path_on_cpu(monkeypatch):
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 @pytest.mark.parametrize("part", ["text", "vision"])
+@pytest.mark.slow
 def test_varlen_attention_path_is_one_graph_for_every_pack(tiny_model, tiny_samples, varlen_path_on_cpu, family, part):
     """The GPU attention path (torch.nn.attention.varlen under bf16 autocast) traces with zero graph breaks in a text
     decoder layer and a ViT block; a second pack of another length, sample count and longest sample reuses the graph

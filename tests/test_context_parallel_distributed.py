@@ -20,6 +20,8 @@ import pytest
 
 from tests.test_distributed import ROOT, WORKER_EXIT, launch, run_processes, step_records, write_mixed_dataset
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
+
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 
 # Samples of odd lengths (none a multiple of 2·CP = 4, so every one is padded): images at a sample's start, middle

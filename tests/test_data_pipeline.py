@@ -399,6 +399,7 @@ def test_an_image_gone_at_load_time_is_a_counted_stand_in(tmp_path, cache):
         next(iter(raising))
 
 
+@pytest.mark.slow
 def test_worker_processes_give_the_same_batches(cache):
     """Collating in DataLoader workers yields the same batches, in the same order, as collating inline, and the
     loader position advances the same way."""
@@ -569,6 +570,7 @@ def forkserver_processes(pid: int) -> list:
     return found
 
 
+@pytest.mark.slow
 def test_loader_workers_end_with_a_killed_training_process(tmp_path):
     """A training process killed while its loader workers run leaves none of the processes it started behind: the
     forkserver dies with it (data/worker_server.py) and the workers, whose parent the server is, then exit."""

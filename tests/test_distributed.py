@@ -22,6 +22,8 @@ from PIL import Image
 from training import run_files
 from verification.launch import free_port, run_logged
 
+pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 LAUNCH_TIMEOUT_S = 150  # a healthy launch takes ~20 s on 2 cores; a collective mismatch hangs until this

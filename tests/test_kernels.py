@@ -429,6 +429,7 @@ print(json.dumps(accesses))
 """
 
 
+@pytest.mark.slow
 def test_vision_table_kernel_compiles_for_hopper_with_vector_accesses(tmp_path):
     """The vision kernel compiles for the H200's sm_90 and reads and writes q's and k's elements in 16-byte vectors,
     never one bf16 element (16 bits) at a time, for ViT 16x72 and 16x80 dense (one flat run), as the qkv

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import sys
 
+import pytest
+
 from verification.launch import free_port, log_tail, run_logged
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
 
 
 def test_exit_code_and_log_tail(tmp_path):

@@ -58,6 +58,7 @@ def test_scripts_run_as_modules_without_path_edits():
     assert not offenders
 
 
+@pytest.mark.slow
 def test_installed_repo_runs_scripts_by_path_too(tmp_path):
     """`make install` installs the repo (editable), so a script also runs by its path, from any directory; without
     that install only `python -m scripts.x` from the repo root works."""

@@ -21,6 +21,7 @@ from transformers import AutoModelForImageTextToText
 
 import train
 from core.config_tree import ConfigError
+from tests.tiers import tiered
 from training import checkpoint, loop, master_weights, optim
 from training.config import load_config
 from training.setup import build_accelerator, build_training
@@ -28,6 +29,7 @@ from training.setup import build_accelerator, build_training
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 TINY_RECIPES = sorted(str(p) for p in Path("recipes").glob("tiny-*.yaml"))
 DENSE_RECIPES = [recipe for recipe in TINY_RECIPES if "moe" not in recipe]
+FAST_RECIPES = ("recipes/tiny-qwen2_5_vl.yaml", "recipes/tiny-qwen3_5.yaml")  # the rest run in `make test-all`
 
 
 @pytest.fixture(scope="module")
@@ -186,7 +188,7 @@ def stepped_tensors(setup) -> dict[str, nn.Parameter]:
     return {name: master_of.get(id(p), p) for name, p in setup.module.model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("recipe", DENSE_RECIPES, ids=lambda p: p[13:-5])
+@pytest.mark.parametrize("recipe", tiered(DENSE_RECIPES, fast=FAST_RECIPES), ids=lambda p: p[13:-5])
 def test_one_step_equals_the_fp32_module_mode_bit_for_bit(data_cache, recipe):
     """On a dense model, from the same initial weights on the same batch, optimizer mode's first step is module
     mode's bit for bit: the loss, every gradient the optimizer sees (module mode's fp32 parameter gradients against
@@ -239,7 +241,7 @@ def test_bf16_weights_are_the_rounded_masters_after_every_step(data_cache):
         assert any(not torch.equal(m, m.to(torch.bfloat16).float()) for m in setup.masters.masters)
 
 
-@pytest.mark.parametrize("recipe", TINY_RECIPES, ids=lambda p: p[13:-5])
+@pytest.mark.parametrize("recipe", tiered(TINY_RECIPES, fast=FAST_RECIPES), ids=lambda p: p[13:-5])
 def test_first_step_matches_the_fp32_module_mode(data_cache, recipe):
     """The issue's numerics rule, for every family: step 1's loss within 1e-2 and its gradient norm within 1e-2
     (relative) of the fp32-module run under autocast, on the same batches from the same initial weights (equal on
@@ -294,6 +296,7 @@ def saved_masters(directory: Path) -> dict[str, torch.Tensor]:
     return torch.load(directory / master_weights.STATE_NAME, weights_only=True)
 
 
+@pytest.mark.slow
 def test_checkpoints_hold_fp32_masters_and_resume_is_exact(data_cache, tmp_path):
     """Every checkpoint holds the fp32 masters by parameter name (beside the bf16 model weights, their rounding, and
     the model's fp32 parameters, their own masters); a run (two micro-batches per step) stopped after step 2 and

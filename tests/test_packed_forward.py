@@ -504,6 +504,7 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
+@pytest.mark.slow
 def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
     """scripts/verify_packing.py on a tiny recipe with a video-heavy built-in dataset (frame-list videos through
     the real pipeline: Qwen2.5-VL's second_per_grid_ts, Qwen3 timestamps, MoE routing, Gated DeltaNet) passes in

@@ -22,8 +22,11 @@ from core import families
 from data.special_tokens import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from mrope_kernels import PatchError, apply_rope_choice, ops, patch_model, reference, unpatch_model
 from mrope_kernels import patch as patch_module
+from tests.tiers import tiered
 
 FAMILIES = list(families.FAMILIES)
+# One chunked and one interleaved, partial-rotary family run in the fast tier; the others in `make test-all`
+FAST_FAMILIES = ("qwen2_5_vl", "qwen3_5")
 # An 8×12-patch image: 24 LLM tokens after the 2×2 merge, and several Qwen2.5-VL attention windows.
 IMAGE_GRID = (1, 8, 12)
 
@@ -203,7 +206,7 @@ def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(tiny_model
     assert report.family == family
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_patched_bf16_within_rounding(tiny_model, family, reference_ops):
     """bf16: patched logits, loss and gradients stay within bf16 rounding of the unpatched bf16 model, measured
     against the same weights in fp32."""
@@ -223,8 +226,8 @@ def test_patched_bf16_within_rounding(tiny_model, family, reference_ops):
 
 
 @pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable` is deprecated")
-@pytest.mark.parametrize("use_reentrant", [False, True])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("use_reentrant", tiered([False, True], fast=[False]))
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_gradient_checkpointing(tiny_model, family, use_reentrant, reference_ops):
     """With gradient checkpointing (text and vision layers), the patched model matches the unpatched one without
     checkpointing, and the recomputed layers run through our kernels again."""
@@ -284,7 +287,7 @@ def test_compile_fullgraph_gpu(tiny_model):
     check_compiled_matches_eager(tiny_model, "cuda")
 
 
-@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", tiered(["qwen2_5_vl", "qwen3_vl", "qwen3_5"], fast=["qwen3_5"]))
 def test_kernel_path_fp32_and_bf16(tiny_model, family):
     """With the public ops as shipped (chunked + windowed vision, interleaved, partial rotary), the patched model's
     logits, loss and gradients match the unpatched model in fp32, and stay within bf16 rounding in bf16."""
@@ -325,7 +328,7 @@ def test_text_dispatcher_rotates_transformers_layout_in_one_autograd_node():
     assert q_leaf.variable is q and k_leaf.variable is k
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_vl_model_and_text_model_patch_alone(tiny_model, family, reference_ops):
     """patch_model works on the VL Model (text + vision) and on the text-only model (text rotary and function
     only), each matching its unpatched outputs."""

@@ -15,6 +15,7 @@ TINY = "recipes/tiny-qwen2_5_vl.yaml"
 TINY_OVERRIDES = ["data.num_samples=32", "packing.max_tokens=256", "model.dtype=float32"]
 
 
+@pytest.mark.slow
 def test_profiles_a_tiny_recipe_on_cpu(tmp_path):
     """One warm-up + one profiled step write trace.json, profile.md and profile.json; the categories partition the
     device time (sum to it, percentages sum to 100), the top kernels are sorted and within the total, and the

@@ -11,6 +11,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
+
 ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """

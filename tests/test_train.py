@@ -152,6 +152,7 @@ def test_evaluations_and_checkpoints_end_a_log_interval(data_cache, tmp_path):
     assert [r["step"] for r in records if "eval_loss" in r] == [3, 4]
 
 
+@pytest.mark.slow
 def test_timed_throughput_ends_with_the_last_step(data_cache, tmp_path, monkeypatch):
     """The summary's throughput covers the timed steps only: shutting the batch prefetcher down after the last step
     (which can wait on a loader worker) is not counted. A 3 s shutdown would dwarf the tiny model's steps."""
@@ -311,6 +312,7 @@ print(sorted(inputs))
 """
 
 
+@pytest.mark.slow
 def test_export_processor_loads_without_this_repository(finished_run, tmp_path):
     """In a fresh interpreter that cannot import this repository, the exported processor (the tiny image-only one,
     shipped as custom code) loads through AutoProcessor and still turns images into pixel_values."""
@@ -643,6 +645,7 @@ KILL_DURING = {
 
 
 @pytest.mark.parametrize("moment", sorted(KILL_DURING))
+@pytest.mark.slow
 def test_kill_9_then_resume_ends_with_the_uninterrupted_weights(finished_run, data_cache, tmp_path, moment):
     """A run killed with SIGKILL during its last checkpoint write, or during its export, and relaunched with
     --resume ends complete (export loadable, summary.json of 4 steps, each step logged once) with exactly the final
@@ -696,6 +699,7 @@ def test_user_mistakes_are_one_line_errors(overrides, message, data_cache, tmp_p
     assert re.search(message, result), result
 
 
+@pytest.mark.slow
 def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_path):
     """`kill -USR1` on a train.py process dumps its threads' Python stacks to stderr (the diagnosis of a run that
     stopped making progress) and the run still finishes; so does the signal to its loader workers' forkserver and
@@ -725,6 +729,7 @@ def test_sigusr1_prints_every_threads_stack_and_the_run_goes_on(data_cache, tmp_
     assert len(workers) > 1 and "_worker_loop" in stderr, stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_inspect_data_config_error_is_one_line():
     """`python -m scripts.inspect_data` answers a config mistake with one line and exit status 1, like train.py."""
     process = subprocess.run(

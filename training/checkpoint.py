@@ -85,7 +85,7 @@ class Checkpointer:
 
     def load(self, directory: Path) -> tuple[int, dict[str, Any]]:
         """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's trainer state:
-        "data", the loader position, and "timing", the throughput totals; {} from checkpoints that predate it)."""
+        "data", the loader position, and "timing", the throughput totals, where the checkpoint holds them)."""
         self.accelerator.load_state(str(directory))
         state_file = self._state_file(directory)
         if not state_file.is_file():

@@ -31,7 +31,8 @@ Numerics: inductor rounds fused intermediates to bf16 where eager stores bf16 (`
 norms' row reductions run on aten's kernels (training/eager_reductions.py), so a compiled block's forward and input
 gradients add in eager's order; matmul dimensions that are not a multiple of 8 are padded (`force_shape_pad`), so
 cuBLAS runs its Hopper kernels instead of an sm80 fallback for 4-byte alignment (Qwen2.5-VL's ViT MLPs are 3420
-wide). docs/numerics.md has what each costs and how the compiled curve is checked against eager's.
+wide). docs/numerics.md says how the compiled curve is checked against eager's; docs/performance.md what each
+setting costs.
 
 Gradient checkpointing stays outside the compiled region. What is compiled is the block's own forward (the class's,
 without transformers' checkpointing wrapper); the block's `forward` becomes an eager function that checkpoints the

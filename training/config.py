@@ -19,12 +19,13 @@ class ModelConfig:
     name_or_path: str | None = None  # checkpoint dir or hub id; None = random init from `config`
     config: dict | None = None  # a Hugging Face config (model_type, text_config, vision_config, ...) for random init
     processor: str | None = None  # processor dir; default: name_or_path, or the built-in tiny processor
+    # the matmuls' compute dtype (autocast) and the export's weight dtype; the master weights stay fp32
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    gradient_checkpointing_llm: bool = False
-    gradient_checkpointing_vision: bool = False
-    freeze_vision: bool = False
-    freeze_merger: bool = False
-    freeze_llm: bool = False
+    gradient_checkpointing_llm: bool = False  # recompute the decoder layers' activations in backward: less memory
+    gradient_checkpointing_vision: bool = False  # the same for the ViT blocks
+    freeze_vision: bool = False  # train no vision-tower parameter (patch embedding, blocks)
+    freeze_merger: bool = False  # train no patch-merger parameter (deepstack mergers included)
+    freeze_llm: bool = False  # train no language-model parameter (embeddings, decoder layers, lm_head)
 
     def validate(self) -> None:
         if (self.name_or_path is None) == (self.config is None):
@@ -39,20 +40,17 @@ class ModelConfig:
 @dataclass
 class KernelsConfig:
     mrope: Literal["fused", "unfused", "auto"] = "auto"  # auto: fused when supported, else unfused with a warning
-    # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly (self-checked where fla
-    # would refuse), else the boundary-exact torch path; the run logs which and why (training/gated_delta.py)
+    # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly, else the boundary-exact
+    # torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
-    # The ViT's patch embedding (a Conv3d with kernel == stride): "conv" runs transformers' Conv3d; "matmul" computes
-    # it as the matrix product it is, 11x faster on the H200 than cuDNN's convolution (training/patch_embed.py). Not
-    # the default: with a bias (Qwen3-VL, Qwen3.5) its weight gradient under train.master_weights=optimizer differs
-    # from module mode's in the last bits on the CPU, where the convolution's is equal bit for bit
+    # ViT patch embedding: "conv" = transformers' Conv3d; "matmul" = the same product as one matmul, faster on GPUs
+    # (docs/performance.md) but, with a bias, not bit-equal across train.master_weights modes (docs/numerics.md)
     patch_embed: Literal["conv", "matmul"] = "conv"
 
 
 @dataclass
 class ParallelConfig:
-    # Context parallelism: each pack is split over this many ranks (zig-zag chunks of every sample, all-gather-KV
-    # attention; training/context_parallel.py). The data-parallel size is the number of processes / context.
+    # ranks each pack is split over (docs/context-parallel.md); 1 = off. Data-parallel size = processes / context
     context: int = 1
 
     def validate(self) -> None:
@@ -62,27 +60,24 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "runs/default"
-    max_steps: int = 100
-    seed: int = 0
-    lr: float = 1e-4
-    lr_vision: float | None = None  # None: same as lr
-    lr_merger: float | None = None
-    weight_decay: float = 0.0
-    adam_betas: tuple[float, ...] = (0.9, 0.95)
-    warmup_steps: int = 10
+    output_dir: str = "runs/default"  # the run directory: config, metrics, checkpoints, export (training/run_files.py)
+    max_steps: int = 100  # optimizer steps to train; the cosine schedule ends here
+    seed: int = 0  # seeds the random init and the process RNGs (the data order has data.seed)
+    lr: float = 1e-4  # peak learning rate of the LLM, and of the other parts unless lr_vision / lr_merger are set
+    lr_vision: float | None = None  # peak learning rate of the vision tower; None: same as lr
+    lr_merger: float | None = None  # peak learning rate of the merger(s); None: same as lr
+    weight_decay: float = 0.0  # AdamW's decoupled weight decay on matrices (norms and biases get none)
+    adam_betas: tuple[float, ...] = (0.9, 0.95)  # AdamW's (beta1, beta2)
+    warmup_steps: int = 10  # linear learning-rate warmup before the cosine decay
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    max_grad_norm: float = 1.0
-    grad_accum_steps: int = 1
-    eval_every: int = 0  # 0 = no periodic eval
-    eval_batches: int = 4
-    # Where the fp32 master weights live (training/master_weights.py): "module" = an fp32 module that autocast casts
-    # to model.dtype at every use; "optimizer" = the module holds its matmul weights in model.dtype and AdamW steps
-    # fp32 copies of them, its embeddings, norms and gates stay fp32 (one process; a no-op for float32 and under
-    # FSDP2, which already computes on bf16 weights; refused under DDP)
+    max_grad_norm: float = 1.0  # clip the global gradient norm to this; 0 = no clipping (the norm is still logged)
+    grad_accum_steps: int = 1  # micro-batches (packs) per optimizer step on each rank
+    eval_every: int = 0  # evaluate the held-out split every N steps and at the end; 0 = no periodic eval
+    eval_batches: int = 4  # held-out batches per rank in each evaluation (the same batches every time)
+    # where the fp32 master weights live: "module" = an fp32 module that autocast casts at every use; "optimizer" =
+    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py, docs/numerics.md)
     master_weights: Literal["module", "optimizer"] = "module"
-    # Regional torch.compile: every decoder layer and ViT block compiled in place with dynamic shapes (inductor),
-    # Qwen3.5's Gated DeltaNet mixers left eager (training/compile.py); the first step carries the compile time
+    # regional torch.compile of every decoder layer and ViT block (training/compile.py); the first step compiles
     compile: bool = False
 
     def validate(self) -> None:
@@ -115,10 +110,10 @@ class TrainConfig:
 
 @dataclass
 class CheckpointConfig:
-    every_steps: int = 0  # 0 = only at the end
-    keep_last: int = 2
+    every_steps: int = 0  # save a resumable checkpoint every N steps; 0 = only at the end
+    keep_last: int = 2  # complete checkpoints kept on disk; older ones are deleted
     export: bool = True  # save_pretrained + processor at the end
-    save_final: bool = True  # a resumable checkpoint after the last step (benchmarks turn it off: no disk traffic)
+    save_final: bool = True  # a resumable checkpoint after the last step (bench-* recipes turn it off: no disk traffic)
     resume: str | None = None  # "latest" (this run's newest checkpoint, if any), a checkpoint dir, or null
 
     def validate(self) -> None:
@@ -131,14 +126,14 @@ class CheckpointConfig:
 @dataclass
 class LoggingConfig:
     report_to: Literal["wandb", "none"] = "wandb"  # wandb goes offline automatically without a login
-    project: str = "qwen-vl-packed"
-    run_name: str | None = None
-    group: str | None = None
-    tags: list[str] = field(default_factory=list)
-    every_steps: int = 10
+    project: str = "qwen-vl-packed"  # wandb project
+    run_name: str | None = None  # wandb run name; None: the run directory's name
+    group: str | None = None  # wandb group
+    tags: list[str] = field(default_factory=list)  # wandb tags
+    every_steps: int = 10  # steps per log interval: one device sync and one record of rates per interval
     timing_warmup_steps: int = 5  # steps excluded from the summary's throughput and MFU (allocator, autotuning)
     peak_tflops: float | None = None  # the device's dense bf16 peak for MFU; null = look it up (training/metrics.py)
-    progress_bar: bool = True
+    progress_bar: bool = True  # a tqdm bar on the main process
 
     def validate(self) -> None:
         if self.every_steps < 1:

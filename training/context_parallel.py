@@ -1,4 +1,5 @@
-"""Context parallelism (`parallel.context` = CP > 1): one pack split over CP ranks, trained exactly.
+"""Context parallelism (`parallel.context` = CP > 1): one pack split over CP ranks, trained exactly
+(docs/context-parallel.md has the design and its costs).
 
 Layout. Ranks are grouped in consecutive blocks of CP (ranks d·CP … d·CP+CP-1 form context group d, on one host
 when CP divides the GPUs per host): every rank of a group gets the same pack from the StepLoader, which deals by
@@ -17,11 +18,11 @@ all-gathers k and v over the context group (backward reduce-scatters dk, dv), an
 local query chunk, its document's key prefix next to it: a chunk at document offset o attends keys [doc start,
 o + i] — causal with the mask aligned bottom-right, which is what the varlen kernels do for seqlen_q < seqlen_k.
 
-Vision (`vision_features`). Image i (and video i) is encoded by context rank i % CP only; the merged tokens (and
-Qwen3-VL's deepstack features) are all-gathered over the group and handed to the model as its precomputed
-`mm_encoder_outputs`, in pack order; backward returns each rank's gradient of a feature to the rank that computed
-it. A rank that owns no image (video) of a pack that has some runs a dummy image in its place, so every rank makes
-the same vision calls and collectives.
+Vision (`vision_features`). Each image (and video) is encoded by one context rank only, dealt by patch count
+(`deal_by_patches`); the merged tokens (and Qwen3-VL's deepstack features) are all-gathered over the group and handed to
+the model as its precomputed `mm_encoder_outputs`, in pack order; backward returns each rank's gradient of a feature to
+the rank that computed it. A rank that owns no image (video) of a pack that has some runs a dummy image in its place, so
+every rank makes the same vision calls and collectives.
 
 Model. The model embeds the whole (padded) pack and scatters the gathered features into it; a pre-hook on the
 language model keeps this rank's tokens of the embeddings (and of the deepstack features) before the first decoder
@@ -160,10 +161,10 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
     Kept whole (the model embeds the whole pack): input_ids (1, Tp) and mm_token_type_ids (1, Tp), documents padded
     with `pad_token_id` text tokens; image_grid_thw / video_grid_thw (every image and video of the pack).
     Sharded (T_local = Tp / CP): position_ids (4, 1, T_local), shift_labels (1, T_local) (IGNORE_INDEX on pads).
-    Vision: image i (video i) goes to context rank i % CP: pixel_values / pixel_values_videos hold this rank's
-    patches only (None when it has none), cp_image_grid_thw / cp_video_grid_thw their grids, and cp_image_rows /
-    cp_video_rows (long) and cp_image_width / cp_video_width (int) say where each merged token of the pack's images
-    lies in the gathered features (`vision_features`); those keys exist only for a kind the pack has.
+    Vision: each image (video) goes to the context rank `deal_by_patches` picks: pixel_values / pixel_values_videos hold
+    this rank's patches only (None when it has none), cp_image_grid_thw / cp_video_grid_thw their grids, and
+    cp_image_rows / cp_video_rows (long) and cp_image_width / cp_video_width (int) say where each merged token of the
+    pack's images lies in the gathered features (`vision_features`); those keys exist only for a kind the pack has.
     Added: cp_local_index, cp_kv_index (long), cp_cu_seqlens_q / cp_cu_seqlens_k (int32), cp_max_seqlen_q /
     cp_max_seqlen_k, cp_q_lengths / cp_k_lengths (Python ints), cp_visual_rows (long), cp_gather_order (long (Tp,)),
     cp_padded_cu_seqlens (int32) and cp_padded_lengths (Python ints), context_rank.

@@ -1,9 +1,9 @@
 """Multi-process helpers: the Accelerator arguments train.py needs beyond mixed precision, a guard against silently
 independent processes, the collective settings every launcher of ours exports, and the end of a run.
 
-`SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: on the
-H200 hosts we run on, multicast objects are not available to containers and collectives that try them fail or hang
-at start-up. The plain ring/tree algorithms are what the parity and scaling numbers are measured with.
+`SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: where
+containers get no multicast objects (as on the project's H200 hosts), collectives that try them fail or hang at
+start-up. The plain ring/tree algorithms are what docs/performance.md's multi-GPU figures use.
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ SAFE_COLLECTIVES_ENV = {
 COMPUTE_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 # gloo's worker threads free a finished collective (and the Python-created tensors it still holds) only once they get
 # the GIL. The process group is destroyed with the GIL held (the DDP reducer's reference goes when train.py's main()
-# returns), and its destructor joins those threads: if one still holds the final barrier's work, neither moves. A
-# 4-process CPU test hung there in about one run of three on a loaded 2-core host (stacks: main thread in
-# ~ProcessGroupGloo joining, the worker in ~AsyncBarrierWork waiting for the GIL). Sleeping releases the GIL.
+# returns), and its destructor joins those threads: if one still holds the final barrier's work, neither moves (the
+# main thread in ~ProcessGroupGloo joining, the worker in ~AsyncBarrierWork waiting for the GIL), most often on a
+# loaded host with few cores. Sleeping before the teardown releases the GIL so the workers finish first.
 GLOO_DRAIN_S = 0.2
 
 
@@ -38,11 +38,11 @@ def accelerator_kwargs(dtype: str) -> dict[str, Any]:
       reduces in the compute dtype, which rounds every gradient to bf16 before the fp32 optimizer sees it; the
       other FSDP settings still come from the config file (the plugin reads the FSDP_* variables the launcher set).
     - Under DDP: gradients as views into DDP's reduction buckets. By default DDP keeps its own fp32 copy of every
-      gradient for the all-reduce (7 GiB per rank for a 1.9B model) beside the gradients; with the views the
-      optimizer reads the buckets. The reduction and its result are the same; only the copy goes. DDP allocates the
-      buckets when it wraps the model, so they are there at the start of backward (where a single process has
-      almost no gradients yet): a step whose peak is its activations there peaks the same either way (3B shape:
-      112.8 vs 112.6 GiB); the copy's 7 GiB go from the end of backward and the optimizer step.
+      gradient for the all-reduce (4 bytes per trainable parameter per rank) beside the gradients; with the views
+      the optimizer reads the buckets. The reduction and its result are the same; only the copy goes. DDP allocates
+      the buckets when it wraps the model, so they are there at the start of backward (where a single process has
+      almost no gradients yet): a step whose peak is its activations there peaks the same either way; the copy's
+      bytes go from the end of backward and the optimizer step.
     """
     from accelerate.utils import DistributedDataParallelKwargs
 

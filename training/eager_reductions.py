@@ -17,7 +17,8 @@ ones, a compiled block's forward and input gradients equal eager's:
   mean and rstd in fp32 where the fake tensors inductor plans with say bf16, and a backward of inductor's own would
   read them as bf16.
 
-The cost: each lowered reduction's input is written out in full instead of being reduced where it is computed.
+The cost: each lowered reduction's input is written out in full instead of being reduced where it is computed
+(docs/performance.md).
 
 Lowerings are process-wide: `lower_norm_reductions()` changes inductor's tables for every graph compiled after it
 and returns the function that puts them back. Inductor's FX-graph cache and AOTAutograd's cache key on the graph

@@ -342,8 +342,7 @@ def _release_torch_delta_rule(modeling_name: str) -> None:
 
 FLA_FIRST_RUN_NOTE = (
     "Gated DeltaNet: fla's kernels compile and autotune when first used on this machine, in the first steps: minutes "
-    "on an empty Triton cache (over 3 minutes in the first step on an H200), seconds once "
-    "Triton's cache (TRITON_CACHE_DIR, default ~/.triton/cache) holds them"
+    "on an empty Triton cache, seconds once Triton's cache (TRITON_CACHE_DIR, default ~/.triton/cache) holds them"
 )
 
 

@@ -12,10 +12,10 @@ unfused (logits, gradient of the input, gradient of the weight), none recomputed
 Two paths, one arithmetic (the logits rounded to the matmul dtype, softmax in fp32, its gradient rounded back once):
 - CUDA: a chunk's logits (matmul dtype, at most CE_KERNEL_CHUNK_ELEMENTS) become their own gradient in place
   (training/loss_kernel.py, two reads and one write), and the weight gradient accumulates in fp32 inside the matmul
-  (cuBLAS with an fp32 output, C += A·B), once per chunk. Before, every path ran the torch steps below on chunks of
-  1,081 rows at V = 248320 (Qwen3.5), each with an fp32 copy of its logits, seven passes over it and a bf16
-  weight-gradient partial added to the fp32 sum: 16 such adds took 59 ms of the Qwen3.5 shape's 846 ms step, and
-  the step went from 0.89 to 0.77 s with this path (docs/benchmarks.md, eighth session).
+  (cuBLAS with an fp32 output, C += A·B), once per chunk. The torch steps below instead make an fp32 copy of each
+  chunk's logits and pass over it seven times, and each chunk adds a bf16 weight-gradient partial into the fp32 sum,
+  a read-modify-write as large as the lm_head in fp32 (docs/performance.md has what that costs at Qwen3.5's
+  V = 248320).
 - elsewhere (CPU): the same steps in torch ops on an fp32 copy of at most CE_CHUNK_ELEMENTS logits.
 """
 

@@ -3,9 +3,8 @@
 Every family embeds patches with an nn.Conv3d whose kernel equals its stride, applied to inputs that are exactly one
 kernel each (`pixel_values` rows of in_channels × temporal × patch × patch): each output is the dot product of one
 row with one filter, i.e. `pixel_values @ weight.view(embed_dim, -1).T (+ bias)`. The convolution computes that
-through cuDNN's implicit-GEMM kernel, which on the H200 took 9.4 ms for the forward and weight gradient of a 3B
-shape's pack (56k patches × 1176 → 1280) where the same product as a matmul took 0.8 ms (docs/benchmarks.md,
-"Nineteenth session"). Parameters, their shapes and the state dict are unchanged; the outputs equal the
+through cuDNN's implicit-GEMM kernel, which on GPUs is slower than the same product as one cuBLAS matmul
+(docs/performance.md). Parameters, their shapes and the state dict are unchanged; the outputs equal the
 convolution's up to the matmul's order of adding (one bf16 unit).
 """
 

@@ -1,10 +1,10 @@
 """`kill -USR1 <pid>` on a training process prints every thread's Python stack to stderr (faulthandler) for the
 whole run: where a run that stopped making progress waits. verification/launch.py asks for it before a timeout kill.
 
-Triton's LLVM can take SIGUSR1 over the first time it compiles a kernel in a process (3.6 on the GPU machine and 3.9
-on a dev machine did; 3.9 on the CI machine did not): LLVM registers it as an "info" signal and answers it with
-nothing, replacing faulthandler's handler. A GPU run compiles its first kernels (fla's self-check, the first step)
-after train.py has registered the dump. LLVM registers its handlers once per process, so a watcher thread puts the
+Triton's LLVM can take SIGUSR1 over the first time it compiles a kernel in a process (whether it does depends on the
+Triton build and the host): LLVM registers it as an "info" signal and answers it with nothing, replacing
+faulthandler's handler. A GPU run compiles its first kernels (fla's self-check, the first step) after train.py has
+registered the dump. LLVM registers its handlers once per process, so a watcher thread puts the
 dump back whenever it finds another handler installed.
 """
 

@@ -39,7 +39,8 @@ VisionAlignment = Literal["every_kind", "step_kinds", "any_call"]
 Every pack makes at least one call, so every vision parameter gets a gradient (0 for a text-only pack) in every
 step, whatever the layout: AdamW steps a zero gradient (momentum, weight decay) but skips a missing one, so one GPU,
 DDP and FSDP2 train the same weights only if no layout leaves the gradient out (DDP's reducer also needs it).
-A dummy call costs ~460 tiny launches that the GPU waits for: ~0.1 s a step on the 3B bench shape (measured)."""
+A dummy call is a whole tower forward and backward of tiny kernels that the GPU waits for (docs/performance.md), so a
+layout makes no more of them than its ranks need."""
 
 
 def mixed_precision(dtype: str) -> str:
@@ -69,9 +70,9 @@ class TrainModule(nn.Module):
 
     The base model (`model.model`) gets the keywords the HF *ForConditionalGeneration.forward would pass it, and
     the six families' forward is only `lm_head(hidden_states)` on top (no bias, no logit scaling or softcapping).
-    The MoE families' router auxiliary loss, which HF adds to its own loss only when given labels, was never part
-    of this loss and still is not (HF also asks the base model for router logits when the config's
-    `output_router_logits` is set; nothing here reads them).
+    The MoE families' router auxiliary loss, which HF adds to its own loss only when given labels, is not part of
+    this loss (HF also asks the base model for router logits when the config's `output_router_logits` is set;
+    nothing here reads them).
     """
 
     def __init__(self, model: nn.Module, vision_alignment: VisionAlignment = "every_kind"):

@@ -14,10 +14,10 @@ pops a precomputed value from the tower's kwargs. This module
   kwargs to the image call, the video call and the text model (`position_ids`, `cu_seqlens` would collide).
 
 train.py's loaders plan each batch's grids in their DataLoader workers, while they collate (`VisionPlanner`, a
-picklable copy of what planning reads of the tower; `HOST_PLANS` in the batch): on the H200 the GPU sat idle ~20 ms
-of each 3B-shape step while the step's host planned (docs/benchmarks.md, "Seventeenth session"). The step
-then only copies the plans to the device, and plans a grid itself only when the batch has no plan of it, or one made
-for another attention implementation. The batch's plans go to the device with its other tensors (`to_device`).
+picklable copy of what planning reads of the tower; `HOST_PLANS` in the batch), so the GPU does not sit idle
+while the step's host plans (docs/performance.md). The step then only copies the plans to the device, and plans a
+grid itself only when the batch has no plan of it, or one made for another attention implementation. The batch's
+plans go to the device with its other tensors (`to_device`).
 
 A call whose grid has no plan is left untouched (transformers derives everything itself): per-sample references,
 verification/packing_check.py and any model call outside `TrainModule.forward`.
@@ -247,7 +247,7 @@ class VisionPlans:
 
     def prepare_batch(self, inputs: dict, host_grids: dict | None, host_plans: dict | None = None) -> dict:
         """Plan the image and video calls of `model(**inputs)` from the batch's host grids (`HOST_GRIDS`; none: no
-        plan, transformers derives everything as before), taking the loader workers' plans where the batch has
+        plan, transformers derives everything itself), taking the loader workers' plans where the batch has
         them (`HOST_PLANS`: the step's host then only copies them). Returns `inputs`, where a planned grid is
         replaced by its host tensor when the inputs carry `position_ids`: the tower then reads nothing from it
         (every value it would derive is in the plan), transformers derives no positions from it, and

@@ -17,14 +17,15 @@ hide a leak in the varlen kernel's backward and is not used; logits and loss are
 rounding only everywhere. Why the packed run's rounding matters on the CPU: a kernel that accumulates a parameter
 gradient over all tokens of one call in low precision rounds the pack's sum worse than each sample's shorter one.
 PyTorch's CPU LayerNorm backward does so for its weight and bias in bf16 (the Qwen2-VL, Qwen3-VL and Qwen3.5 vision
-towers: ~0.5 relative over a 3k-patch pack vs ~0.05 per sample, with identical norm inputs and output gradients on
-both sides). On the H200 these gradients pass with the per-sample run's rounding alone.
+towers): its error grows with the number of patches summed, so a pack's is far larger than a sample's even with
+identical norm inputs and output gradients on both sides (docs/numerics.md). On the H200 these gradients pass with
+the per-sample run's rounding alone.
 
 MoE models: the per-sample run's top-k expert choices are recorded and replayed in the packed run (and in the fp32
 copy's runs), see verification/routing_pin.py. A near-tie token that the packed run's rounding would send to another
 expert would otherwise move its whole gradient between experts; the report counts those choices (`routing_flips`)
-instead. Routing weights still come from each run's own router logits, so router
-gradients and any leak into the hidden states are compared as before.
+instead. Routing weights still come from each run's own router logits, so router gradients and any leak into the
+hidden states are still compared.
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ is a near-cancelling sum over many tokens (e.g. Gated DeltaNet's A_log) carries 
 not of its tiny total. A leak across samples still moves the large gradients far beyond tolerance."""
 
 RELATIVE_TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-2, torch.bfloat16: 6e-2}
-"""max |Δ| / max |reference| allowed per quantity. fp32: summation-order noise only (measured ≤ 3e-6 on the tiny
-models); it also judges a low-precision model's fp32 copy (module docstring). bf16/fp16: 8 (11) mantissa bits; on
-CPU, where both sides run SDPA, the per-sample gradients summed in bf16 already differ from the packed ones by up to
-1.7e-2 relative, and on the GPU the varlen kernel rounds differently from sdpa. In low precision a quantity beyond
-this still passes when it is within ROUNDING_FACTOR of the runs' own rounding errors (see `Difference.failed`)."""
+"""max |Δ| / max |reference| allowed per quantity. fp32: summation-order noise only; it also judges a low-precision
+model's fp32 copy (module docstring). bf16/fp16: 8 (11) mantissa bits; on CPU, where both sides run SDPA, the
+per-sample gradients summed in bf16 already differ from the packed ones at the 1e-2 level, and on the GPU the varlen
+kernel rounds differently from sdpa (docs/numerics.md). In low precision a quantity beyond this still passes when
+it is within ROUNDING_FACTOR of the runs' own rounding errors (see `Difference.failed`)."""
 
 ROUNDING_FACTOR = 3.0
 """Low precision: packed may differ from per-sample by up to this multiple of a run's own error against the same run
@@ -311,9 +312,9 @@ def ieee_fp32() -> Iterator[None]:
     """fp32 matmuls and cuDNN convolutions in IEEE fp32, not TF32, their settings restored afterwards (PyTorch's
     `fp32_precision` API; inside, reading the legacy `torch.backends.cudnn.allow_tf32` raises, as PyTorch does for any
     mix of the two APIs). The fp32 runs are judged at the fp32 tolerance, but cuDNN convolves fp32 in TF32 by
-    default, a 10-bit mantissa: on the H200 the vision patch embedding's weight gradient (a sum over every patch) of
-    a bf16 model's fp32 copy differed by 1-2e-4 relative between packed and per-sample runs in TF32, and passes in
-    IEEE fp32 (docs/benchmarks.md)."""
+    default, a 10-bit mantissa: in TF32 the vision patch embedding's weight gradient (a sum over every patch) of a
+    bf16 model's fp32 copy differs between packed and per-sample runs by more than that tolerance; in IEEE fp32 it
+    passes (docs/numerics.md)."""
     backends = (torch.backends.cuda.matmul, torch.backends.cudnn.conv)
     saved = [backend.fp32_precision for backend in backends]
     try:

@@ -2,10 +2,10 @@
 
     python -m verification.provenance      # this tree's provenance, as the scripts record it
 
-`provenance()` gives the commit when the checkout is a clean git tree; a copy without git (the device machine gets
-the working tree, not the repository) or with uncommitted changes gets no commit, only `source_sha256`, the digest
-of the files that decide what runs (SOURCE_GLOBS), which the same call at a commit's checkout reproduces. Beside it:
-the date, the GPU and the versions of every library that can move a number (fla and Liger-Kernel where installed).
+`provenance()` gives the commit when the checkout is a clean git tree; a copy without git (a working tree copied
+to another machine) or with uncommitted changes gets no commit, only `source_sha256`, the digest of the files that
+decide what runs (SOURCE_GLOBS), which the same call at a commit's checkout reproduces. Beside it: the date, the
+GPU and the versions of every library that can move a number (fla and Liger-Kernel where installed).
 """
 
 from __future__ import annotations
