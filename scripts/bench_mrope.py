@@ -1,9 +1,9 @@
 """Benchmark the fused rotary kernels against HF eager, torch.compile, Liger-Kernel and the copy floor (GPU).
 
-The five cases of ANCHORS.md at T = 16384 packed tokens, bf16, in one process, timed with
-`triton.testing.do_bench` medians (warmup 25 ms, rep 100 ms; it flushes L2 between repetitions).
-Method as the anchors: HF and Liger receive cos/sin precomputed (their build cost is excluded; ours includes
-sin/cos for text, and for vision receives the cos/sin table the patched tower builds once per forward for all its
+Five cases (Qwen2.5-VL-7B, Qwen3-VL-8B and Qwen3.5 text; the Qwen2.5-VL and Qwen3-VL ViTs) at T = 16384 packed
+tokens, bf16, in one process, timed with `triton.testing.do_bench` medians (warmup 25 ms, rep 100 ms; it flushes L2
+between repetitions). HF and Liger receive cos/sin precomputed (their build cost is excluded; ours includes sin/cos
+for text, and for vision receives the cos/sin table the patched tower builds once per forward for all its
 blocks, as transformers' tower builds its cos/sin); inputs are HF's layout, q = randn(1, T, H, D).transpose(1, 2)
 for text; the copy floor clones q and k once (fwd) and twice (fwd+bwd). One deviation, applied to every
 implementation alike: fwd+bwd returns gradients with `torch.autograd.grad` instead of accumulating into `.grad`, so

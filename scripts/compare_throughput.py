@@ -334,9 +334,7 @@ def repeat_loss_noise(runs: list[RunResult]) -> float | None:
 
 def pair_gaps(pairs: Iterable[tuple[RunResult, RunResult]]) -> dict | None:
     """max |Δloss| of each pair of runs, summarized: {median, max, pairs}; None without a pair that shares a step.
-    Over every pair, not one draw: on the Qwen3.5 shape (12 steps from random init, 3 runs of each variant) one
-    fused/unfused pair's gap ranged 0.033-0.118 over the six pairs whose curves were kept (docs/benchmarks.md,
-    twenty-fourth session)."""
+    Over every pair, not one draw: from a random init one pair's gap is itself a noisy draw (docs/numerics.md)."""
     gaps = [gap for gap in (max_abs_loss_gap(a, b) for a, b in pairs) if gap is not None]
     return {"median": statistics.median(gaps), "max": max(gaps), "pairs": len(gaps)} if gaps else None
 

@@ -12,7 +12,7 @@ For each recipe, separate launches of train.py (every one with NVLink multicast 
   single-repeat   the same launch again (--repeat-single)
   bf16-compiled   one GPU on bf16 weights with fp32 masters in the optimizer, compiled    python train.py
                   train.master_weights=optimizer train.compile=true (only when --layouts names it): the fastest
-                  one-GPU setup, judged against the 1-GPU run like a layout (issue 15's numerics); each
+                  one-GPU setup, judged against the 1-GPU run like a layout (docs/numerics.md); each
                   --fast-override KEY=VALUE is added to its launch alone (a lever whose numerics the curve judges,
                   e.g. kernels.patch_embed=matmul, while the 1-GPU run stays the default path)
   bf16-compiled-repeat   the same launch again (--repeat-fast): a second draw of its gap to the 1-GPU run, for
@@ -32,7 +32,7 @@ FSDP2's bf16 parameters). Two checks of that:
   curves   every step's |Δloss| within --loss-tol, or, with --repeat-single, within 2x the gap between the 1-GPU
            run and its own repeat if larger. The 1-GPU run is not bit-reproducible on the GPU, and from a random
            init Adam's first steps grow its last-bit differences to tenths of a nat at the full-depth 3B shape
-           (docs/benchmarks.md), so there a fixed tolerance judges the reference's noise, not the layout.
+           (docs/numerics.md), so there a fixed tolerance judges the reference's noise, not the layout.
 Scaling efficiency = tokens/s per GPU ÷ tokens/s on one GPU (train.py's means after the warm-up steps). Prints a
 table and writes every number (and the per-step losses and gradient norms) as JSON to --out.
 
@@ -45,7 +45,7 @@ layout, each layout here is compared with the baseline's layout of the same name
 same packs per optimizer step (a 2-GPU baseline for a 4-GPU run: --packs-per-step 4) and the same overrides.
 Files written before --packs-per-step existed (2 packs per step, overrides not recorded) lend tokens/s only.
 
-FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs; docs/benchmarks.md):
+FSDP2 on 4 and 8 GPUs (7B-class Qwen2.5-VL and Qwen3-VL-8B shapes, 16k-token packs):
   S=recipes/bench-qwen2_5_vl-7b-shape.yaml,recipes/bench-qwen3_vl-8b-shape.yaml A=artifacts/distributed
   # 2 GPUs: 1 GPU (twice: its own noise) and FSDP2 at 4 packs per step, FSDP2 at 8 (the packs per step of the 4-
   # and 8-GPU runs)
@@ -85,7 +85,7 @@ LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true
 REPEAT = "single-repeat"  # the single layout launched again (--repeat-single): the reference's own run-to-run noise
 FAST_REPEAT = f"{FAST}-repeat"  # the fast layout launched again (--repeat-fast): another draw of its gap
 ONE_GPU_LAYOUTS = ("single", REPEAT, FAST, FAST_REPEAT)
-GRAD_NORM_TOL = 1e-2  # bf16 parameters under FSDP2 move the step-1 gradient norm by ~2e-3 (docs/benchmarks.md)
+GRAD_NORM_TOL = 1e-2  # bf16 parameters under FSDP2 move the step-1 gradient norm in its third digit (docs/numerics.md)
 NOISE_MULTIPLE = 2.0
 """With --repeat-single, a loss curve is within noise when its largest per-step gap to the 1-GPU run is at most this
 many times the gap between the 1-GPU run and its repeat (or --loss-tol, if larger). That gap is one draw: a layout with

@@ -1,5 +1,5 @@
 """Write a dataset of long samples: one image and about N words of text each, for the longest sample that trains
-(context parallelism, issue 20; the built-in data's samples stay under ~1.2k tokens).
+(context parallelism; the built-in data's samples stay under ~1.2k tokens).
 
     python -m scripts.make_long_samples --out data/long-32000 --words 32000 [--count 40] [--seed 0]
     python train.py --config recipes/bench-qwen2_5_vl-3b-shape.yaml data.path=data/long-32000/data.jsonl \

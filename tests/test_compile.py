@@ -219,9 +219,9 @@ def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_
 def test_packs_of_new_shapes_reuse_the_first_graphs(tiny_model, tiny_samples, family):
     """After the first pack (and gradient checkpointing on), packs of other lengths and sample counts compile
     nothing new: any recompile is an error. The first pack compiles at most two graphs per kind of block (text
-    layer, full-attention and windowed ViT block, the pieces around a Gated DeltaNet mixer). Qwen3.5 on torch 2.11
-    recompiled its Gated DeltaNet layers for every new sample count (`len(...sample_lengths)` guarded at the mixer's
-    graph break) until the layer's compiled frame got the pack boxed."""
+    layer, full-attention and windowed ViT block, the pieces around a Gated DeltaNet mixer). Qwen3.5's Gated DeltaNet
+    layers get the pack boxed, so torch 2.11's dynamo cannot guard on `len(...sample_lengths)` at the mixer's graph
+    break and recompile for every new sample count."""
     model = packed_model(tiny_model, family, checkpointing=True)
     counter = CompileCounterWithBackend("aot_eager")
     regional.compile_blocks(model, backend=counter)

@@ -5,7 +5,8 @@ hang, resume continues exactly, and the export loads in one process.
 The dataset is two samples that never share a pack (their lengths add up past the pack budget): one with an image,
 one text-only. The loader deals packs by cost, so with two ranks every step gives rank 0 the image pack and rank 1
 the text-only pack — the situation that hangs FSDP/ZeRO-3 trainers when the text-only rank skips the vision tower
-(../shared/PITFALLS.md #5). One process with two accumulation steps sees the same two packs per optimizer step.
+(every rank must run the vision tower every step). One process with two accumulation steps sees the same two packs
+per optimizer step.
 """
 
 from __future__ import annotations

@@ -434,8 +434,8 @@ def test_vision_table_kernel_compiles_for_hopper_with_vector_accesses(tmp_path):
     """The vision kernel compiles for the H200's sm_90 and reads and writes q's and k's elements in 16-byte vectors,
     never one bf16 element (16 bits) at a time, for ViT 16x72 and 16x80 dense (one flat run), as the qkv
     projection's views and head-major (the backward's gradients), and compiles for one token (a constexpr then).
-    Only the partner lanes' second read (D/2 away, an L1 hit) is per element, as in the prototype measured at the
-    copy floor (docs/benchmarks.md, twenty-fourth session): two loads per element, one of them vector. A head stride
+    Only the partner lanes' second read (D/2 away, an L1 hit) is per element: two loads per element, one of them
+    vector, which runs at the copy floor (docs/performance.md). A head stride
     of 73 elements, whose rows cannot be aligned, is the control that shows the count can fail."""
     cases = [
         ("16x72 dense", 64, 16, 72, 16 * 72, 72),
@@ -464,9 +464,9 @@ def test_vision_table_kernel_compiles_for_hopper_with_vector_accesses(tmp_path):
     assert accesses["unaligned"].get("st.global.b16"), accesses["unaligned"]
 
 
-# The text anchor cases of scripts/bench_mrope.py at 16k packed tokens, and the (tokens per program, warps) the H200
-# sweep of 2026-12-02 found fastest for each (docs/benchmarks.md, "Sixteenth session"): one token per program,
-# 2 warps, except Qwen3.5's 4 warps for its 16 x 256-lane pass-through copy.
+# The text cases of scripts/bench_mrope.py at 16k packed tokens, and the (tokens per program, warps) its H200 sweep
+# finds fastest for each (docs/performance.md): one token per program, 2 warps, except Qwen3.5's 4 warps for its
+# 16 x 256-lane pass-through copy.
 SWEEP_BEST = [
     ("qwen2.5-vl text 28/4x128", 28, 4, 128, 128, triton_rope.LAYOUT_CHUNKED, (1, 2)),
     ("qwen3-vl text 32/8x128", 32, 8, 128, 128, triton_rope.LAYOUT_INTERLEAVED, (1, 2)),
@@ -494,9 +494,8 @@ def test_default_launch_configs_are_the_h200_sweeps_best(heads_q, heads_k, head_
 
 @pytest.mark.parametrize(("head_dim", "chunk", "block_t"), [(72, 128, 16), (80, 256, 8)])
 def test_vision_default_tiles_are_the_measured_ones(head_dim, chunk, block_t):
-    """ViT 16 heads: ~2048-element tiles on 4 warps, the prototype's best in its H200 sweep (docs/benchmarks.md,
-    twenty-fourth session) and the product's default in the twenty-fifth session's benchmark, with a chunk of 128
-    elements (16 x 72 = 1152 = 9 x 128) or 256 (16 x 80 = 5 x 256) per token: a change here needs a new sweep."""
+    """ViT 16 heads: ~2048-element tiles on 4 warps, the measured defaults (docs/performance.md), with a chunk of
+    128 elements (16 x 72 = 1152 = 9 x 128) or 256 (16 x 80 = 5 x 256) per token: a change here needs a new sweep."""
     shape, strides = (16384, 16, head_dim), (3 * 16 * head_dim, head_dim, 1)
     dtypes = (torch.bfloat16,) * 4 + (torch.float32,)
     plan = triton_rope.vision_launch_plan(shape, strides, shape, strides, strides, strides, dtypes, False)
