@@ -292,7 +292,8 @@ def render(report: dict) -> str:
     lines = [
         f"# Step profile: {report['config']} ({'fused' if report['fused_rope'] else 'unfused'} rope)",
         "",
-        f"{report['device']}; {report['steps']} profiled steps after {report['warmup']} warm-up; device work = {unit}.",
+        f"{report['provenance']['gpu']['name']}; {report['steps']} profiled steps after {report['warmup']} warm-up; "
+        f"device work = {unit}.",
         f"Overrides: {' '.join(report['overrides']) or 'none'}",
         "",
         "| per step | value |",
