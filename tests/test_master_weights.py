@@ -129,16 +129,15 @@ def test_matmul_weights_are_cast_and_everything_else_stays_fp32():
 
 
 def test_matmul_weights_are_bf16_and_the_optimizer_steps_masters_and_fp32_parameters(data_cache):
-    """On the tiny model: the Linear/Conv3d weights are bf16 (frozen ones too) and the embeddings, the untied lm_head
-    and the norms fp32, as are buffers such as the rotary frequencies; the optimizer's parameters are the fp32
-    masters of the trainable bf16 weights and the trainable fp32 parameters themselves, each once, in
+    """On the tiny model: the Linear weights are bf16 (frozen ones too) and the embeddings, the untied lm_head, the
+    patch embedding and the norms fp32, as are buffers such as the rotary frequencies; the optimizer's parameters are
+    the fp32 masters of the trainable bf16 weights and the trainable fp32 parameters themselves, each once, in
     optim.param_groups' groups with their names, learning rates and weight decay; clipping covers the same tensors."""
     with training(data_cache, "optimizer", "model.freeze_vision=true", "train.lr_merger=0.01") as (cfg, _, setup):
         model = setup.module.model
         masters = setup.masters
         dtypes = {name: p.dtype for name, p in model.named_parameters()}
         for name in (
-            "model.visual.patch_embed.proj.weight",
             "model.visual.blocks.0.attn.qkv.weight",  # frozen
             "model.visual.merger.mlp.0.bias",
             "model.language_model.layers.0.self_attn.q_proj.weight",
@@ -147,6 +146,7 @@ def test_matmul_weights_are_bf16_and_the_optimizer_steps_masters_and_fp32_parame
         ):
             assert dtypes[name] == torch.bfloat16, name
         for name in (
+            "model.visual.patch_embed.proj.weight",  # frozen; its gradients add in fp32 (training/patch_embed.py)
             "model.visual.blocks.0.norm1.weight",  # frozen
             "model.visual.merger.ln_q.weight",
             "model.language_model.embed_tokens.weight",

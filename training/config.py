@@ -43,9 +43,9 @@ class KernelsConfig:
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly, else the boundary-exact
     # torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
-    # ViT patch embedding: "conv" = transformers' Conv3d; "matmul" = the same product as one matmul, faster on GPUs
-    # (docs/performance.md) but, with a bias, not bit-equal across train.master_weights modes (docs/numerics.md)
-    patch_embed: Literal["conv", "matmul"] = "conv"
+    # ViT patch embedding: "matmul" = transformers' Conv3d as the one matmul it is, faster on GPUs, weight gradients
+    # accumulated in fp32 (training/patch_embed.py); "conv" = transformers' Conv3d
+    patch_embed: Literal["conv", "matmul"] = "matmul"
 
 
 @dataclass
