@@ -102,8 +102,9 @@ def finished_run(tmp_path_factory, data_cache) -> tuple[Path, dict]:
 
 
 def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
-    """A CPU run records every contract field per step, a summary with falling loss, the resolved config, and
-    offline wandb files, without any wandb login."""
+    """A CPU run records every contract field per step, a summary with falling loss, the resolved config (its
+    `auto` settings as they ran on the CPU: eager, fp32 module weights, collated inline), and offline wandb files,
+    without any wandb login."""
     out, summary = finished_run
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -115,7 +116,9 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
     assert summary["steps"] == 4 and summary["loss_end"] < summary["loss_start"]
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["tokens_per_s_per_gpu"] > 0 and summary["timed_steps"] == 3
-    assert load_config(str(out / "config.yaml")).train.output_dir == str(out)
+    saved = load_config(str(out / "config.yaml"))
+    assert saved.train.output_dir == str(out)
+    assert (saved.train.compile, saved.train.master_weights, saved.data.num_workers) == (False, "module", 0)
     wandb_run = Path(summary["wandb_dir"])
     assert wandb_run.is_dir() and wandb_run.name.startswith("offline-run-") and wandb_run.parent == out / "wandb"
 

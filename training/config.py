@@ -75,10 +75,12 @@ class TrainConfig:
     eval_every: int = 0  # evaluate the held-out split every N steps and at the end; 0 = no periodic eval
     eval_batches: int = 4  # held-out batches per rank in each evaluation (the same batches every time)
     # where the fp32 master weights live: "module" = an fp32 module that autocast casts at every use; "optimizer" =
-    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py, docs/numerics.md)
-    master_weights: Literal["module", "optimizer"] = "module"
-    # regional torch.compile of every decoder layer and ViT block (training/compile.py); the first step compiles
-    compile: bool = False
+    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py); "auto" =
+    # optimizer for one CUDA process in bfloat16, else module (training/defaults.py)
+    master_weights: Literal["auto", "module", "optimizer"] = "auto"
+    # regional torch.compile of every decoder layer and ViT block (training/compile.py; the first step compiles);
+    # "auto" = on with CUDA, off on the CPU (training/defaults.py)
+    compile: bool | Literal["auto"] = "auto"
 
     def validate(self) -> None:
         if self.lr <= 0:
