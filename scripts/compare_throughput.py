@@ -86,7 +86,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from core.config_tree import ConfigError
-from core.families import FAMILIES
+from core.families import FAMILIES, hf_config
 from training import run_files
 from training.config import load_config
 from verification.launch import log_tail, run_logged
@@ -539,7 +539,7 @@ def main(argv: list[str] | None = None) -> dict:
     if clashes:
         raise ConfigError(f"{clashes} are set by the comparison itself; use --steps/--warmup/--variants/--group.")
     cfg = load_config(args.config, args.overrides)  # validates the recipe and overrides before any run starts
-    model_type = (cfg.model.config or {}).get("model_type") or _checkpoint_model_type(cfg.model.name_or_path)
+    model_type = hf_config(cfg.model).model_type
     variants, left_out = select_variants(args.variants, model_type, args.launcher)
     for name, reason in left_out.items():
         print(f"[compare] variant {name} left out: {reason}", flush=True)
@@ -599,12 +599,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{title}\n\n{text}\n\n{ratios}\n")
     print(f"[compare] wrote {out_dir}/comparison.{{json,png,md}}")
     return report
-
-
-def _checkpoint_model_type(name_or_path: str) -> str:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(name_or_path).model_type
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
 from core.families import hf_config
+from core.special_tokens import EOS_ID
 from data.config import PackingConfig
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
 from training import vision_plan
 from training.config import load_config
