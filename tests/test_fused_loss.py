@@ -8,6 +8,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from data.collate import label_rows
+from tests.tiers import tiered
 from training import loss, step
 from training.loss import linear_cross_entropy
 from training.loss_kernel import cross_entropy_grad_
@@ -15,6 +16,7 @@ from training.packed import enable_packed_forward
 from verification.packing_check import SampleSpec, pack_samples
 
 IGNORE_INDEX = -100
+FAMILY_NAMES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GRAD_SCALE = 0.37  # the step multiplies the summed loss by world size / label count, never exactly 1
 
 
@@ -322,7 +324,7 @@ def test_train_module_equals_unfused_logits(tiny_model, tiny_samples, monkeypatc
 
 
 @pytest.mark.parametrize("layout", ["packed", "padded", "packed without labels"])
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"])
+@pytest.mark.parametrize("family", tiered(FAMILY_NAMES, fast=("qwen2_5_vl", "qwen3_5")))
 def test_train_module_loss_over_labelled_rows_equals_every_row(tiny_model, tiny_samples, monkeypatch, family, layout):
     """In fp32 on the CPU, TrainModule's loss over the batch's labelled rows (`label_rows`) and the gradient of every
     parameter equal, bit for bit, those of the same loss over every row of the pack (images, videos, prompts and

@@ -344,14 +344,18 @@ def test_checkpoints_hold_fp32_masters_and_resume_is_exact(data_cache, tmp_path)
 def test_which_runs_keep_masters_in_the_optimizer():
     """Mode "optimizer" takes effect on one process with bf16; it changes nothing with float32 (the weights are the
     masters) or under FSDP2 (which already computes on bf16 parameters with fp32 masters); under DDP it is a
-    ConfigError pointing to FSDP2, since DDP would all-reduce bf16 gradients; float16 is refused by the config."""
+    ConfigError pointing to FSDP2, since DDP would all-reduce bf16 gradients; float16 is refused by the config; an
+    unresolved auto is refused."""
 
     def accelerator(kind: DistributedType, processes: int) -> SimpleNamespace:
         return SimpleNamespace(distributed_type=kind, num_processes=processes)
 
     optimizer_mode = load_config(TINY, ["model.dtype=bfloat16", "train.master_weights=optimizer"])
     assert master_weights.enabled(optimizer_mode, accelerator(DistributedType.NO, 1))
-    assert not master_weights.enabled(load_config(TINY, ["model.dtype=bfloat16"]), accelerator(DistributedType.NO, 1))
+    module_mode = load_config(TINY, ["model.dtype=bfloat16", "train.master_weights=module"])
+    assert not master_weights.enabled(module_mode, accelerator(DistributedType.NO, 1))
+    with pytest.raises(ValueError, match="unresolved"):  # auto is training/defaults.py's to decide
+        master_weights.enabled(load_config(TINY, ["model.dtype=bfloat16"]), accelerator(DistributedType.NO, 1))
     fp32 = load_config(TINY, ["model.dtype=float32", "train.master_weights=optimizer"])
     assert not master_weights.enabled(fp32, accelerator(DistributedType.NO, 1))
     assert not master_weights.enabled(optimizer_mode, accelerator(DistributedType.FSDP, 2))

@@ -56,7 +56,10 @@ STATE_NAME = "custom_checkpoint_0.pkl"  # accelerate's file for the first object
 def enabled(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether this run keeps its masters in the optimizer: `train.master_weights == "optimizer"` on one process
     with a 16-bit `model.dtype`. A no-op, said in the log, for float32 (the weights are the masters) and under
-    FSDP2 (it already does this); a ConfigError under DDP (multi-process without FSDP)."""
+    FSDP2 (it already does this); a ConfigError under DDP (multi-process without FSDP). `auto` must be resolved
+    first (training/defaults.py)."""
+    if cfg.train.master_weights == "auto":
+        raise ValueError("train.master_weights=auto is unresolved: training.defaults.resolve(cfg, accelerator) first.")
     if cfg.train.master_weights == "module":
         return False
     if cfg.model.dtype == "float32":
