@@ -229,7 +229,7 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
         cp_padded_lengths=padded,
         context_rank=context_rank,
         num_label_tokens=int((local_labels != IGNORE_INDEX).sum()),
-        cp_pack_label_tokens=batch["num_label_tokens"],
+        cp_pack_label_tokens=int((shift_labels != IGNORE_INDEX).sum()),
     )
     for kind, pixel_key in VISION_KINDS:
         if batch.get(f"{kind}_grid_thw") is not None:
