@@ -40,7 +40,7 @@ gpu-cp:  ## context parallelism on two GPUs: GPU tests, CP=2 vs CP=1 exactness, 
 	bash scripts/gpu_context_parallel.sh artifacts/gpu-cp
 
 bench-recipes:  ## the shipped recipes at full size as shipped vs the eager fp32 path into docs/results/recipes-<date>.json (GPU; STAGE=one-gpu|two-gpu|moe; resumable, artifacts/gpu-bench-recipes)
-	bash scripts/gpu_bench_recipes.sh artifacts/gpu-bench-recipes $(or $(STAGE),all)
+	ARGS="$(ARGS)" bash scripts/gpu_bench_recipes.sh artifacts/gpu-bench-recipes $(or $(STAGE),all)
 
 bench-lm-head:  ## step time with the loss over the labelled rows vs every row, on a recipe's packs (GPU; CONFIG=recipes/bench-...)
 	$(PY) -m scripts.bench_lm_head --config $(CONFIG) $(ARGS)

@@ -12,7 +12,8 @@ OUT=${1:-artifacts/gpu-bench-recipes}
 STAGE=${2:-all}
 BUDGET=${BUDGET:-480}
 source scripts/gpu_common.sh
-step bench_recipes $((BUDGET + 60)) $PY -m scripts.bench_recipes --stage "$STAGE" --budget-s "$BUDGET"
+# shellcheck disable=SC2086  # ARGS: further scripts/bench_recipes.py options, e.g. ARGS="--steps 20 --warmup 8"
+step bench_recipes $((BUDGET + 60)) $PY -m scripts.bench_recipes --stage "$STAGE" --budget-s "$BUDGET" ${ARGS:-}
 mkdir -p "$OUT/results"
 cp -r artifacts/bench-recipes "$OUT/" 2>/dev/null
 cp docs/results/recipes-*.json "$OUT/results/" 2>/dev/null
