@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp lint format bench smoke-test compare profile inspect-data verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test compare profile inspect-data verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -38,6 +38,12 @@ gpu-bench:  ## the benchmarks on one GPU: kernels, packing, fused vs unfused end
 
 gpu-cp:  ## context parallelism on two GPUs: GPU tests, CP=2 vs CP=1 exactness, speed, attention engines (artifacts/gpu-cp)
 	bash scripts/gpu_context_parallel.sh artifacts/gpu-cp
+
+bench-recipes:  ## the shipped recipes at full size as shipped vs the eager fp32 path into docs/results/recipes-<date>.json (GPU; STAGE=one-gpu|two-gpu|moe; resumable, artifacts/gpu-bench-recipes)
+	ARGS="$(ARGS)" bash scripts/gpu_bench_recipes.sh artifacts/gpu-bench-recipes $(or $(STAGE),all)
+
+bench-lm-head:  ## step time with the loss over the labelled rows vs every row, on a recipe's packs (GPU; CONFIG=recipes/bench-...)
+	$(PY) -m scripts.bench_lm_head --config $(CONFIG) $(ARGS)
 
 lint: install  ## ruff, line length 120
 	$(VENV)/bin/ruff check .

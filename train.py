@@ -22,7 +22,7 @@ from pathlib import Path
 
 from core.config_tree import ConfigError
 from data.formats import DataError
-from training import checkpoint, distributed, loop, metrics, optim, resume, run_files, stack_dump, tracking
+from training import checkpoint, defaults, distributed, loop, metrics, optim, resume, run_files, stack_dump, tracking
 from training.config import load_config
 from training.setup import build_accelerator, build_training
 
@@ -70,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
     accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
     logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
+    cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
     run_dir = prepare_run_dir(cfg)
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
     changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)

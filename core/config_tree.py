@@ -66,6 +66,12 @@ def _check_finite_leaves(value: Any, where: str) -> None:
             _check_finite_leaves(item, f"{where}[{index}]")
 
 
+def _is_kind(value: Any, typ: Any) -> bool:
+    """Whether `value` is of the container or plain class `typ` names (dict for dict[str, int], str for str)."""
+    base = typing.get_origin(typ) or typ
+    return isinstance(base, type) and isinstance(value, base)
+
+
 def _coerce(value: Any, typ: Any, where: str) -> Any:
     """Check/convert a YAML value against a field's annotation (the subset of types configs use)."""
     origin = typing.get_origin(typ)
@@ -86,8 +92,12 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
             try:
                 return _coerce(value, arg, where)
             except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"'{where}': {value!r} fits none of {typ}.")
+                errors.append((arg, str(exc)))
+        # The arm of the value's own kind (a mapping's, for a dict | str field) says what is wrong inside it.
+        own_kind = [message for arg, message in errors if _is_kind(value, arg)]
+        if len(errors) == 1 or len(own_kind) == 1:
+            raise ConfigError((own_kind or [errors[0][1]])[0])
+        raise ConfigError(f"'{where}': {value!r} fits none of {typ}.")
     if origin is typing.Literal:
         choices = typing.get_args(typ)
         if value not in choices:

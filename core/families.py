@@ -8,12 +8,45 @@ and the model builder (which model types a recipe may name). Adding a family mea
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+from pathlib import Path
 
 import transformers
 from transformers import AutoConfig, PretrainedConfig
 
-from core.config_tree import ConfigError
+from core.config_tree import ConfigError, deep_merge
+from core.special_tokens import TINY_CONFIG_TOKEN_IDS, TINY_TEXT_CONFIG_TOKEN_IDS
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BASE_KEY = "base"  # a model.config mapping's key naming the JSON file its other keys are merged over
+# What makes two configs the same model: compared between a checkpoint and the recipe's model.config
+ARCHITECTURE_FIELDS = {
+    "": ("model_type", "tie_word_embeddings"),
+    "text_config": (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "layer_types",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    ),
+    "vision_config": (
+        "depth",
+        "hidden_size",
+        "intermediate_size",
+        "num_heads",
+        "out_hidden_size",
+        "patch_size",
+        "spatial_merge_size",
+        "temporal_patch_size",
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,21 +119,102 @@ FAMILIES = {
 MODEL_TYPES = tuple(FAMILIES)
 
 
+def config_file(path: str) -> Path:
+    """The JSON file a model.config path names: absolute, or relative to the working directory, else to the
+    repository (recipes/models/*.json resolve from anywhere). ConfigError when there is none."""
+    candidates = [Path(path).expanduser()] if Path(path).expanduser().is_absolute() else [Path(path), REPO_ROOT / path]
+    found = next((candidate for candidate in candidates if candidate.is_file()), None)
+    if found is None:
+        raise ConfigError(f"model.config: no file {path} (a Hugging Face config.json, e.g. recipes/models/*.json).")
+    return found
+
+
+def _read_json(path: str) -> dict:
+    try:
+        value = json.loads(config_file(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ConfigError(f"model.config: {path} is not JSON ({error.msg}, line {error.lineno}).") from None
+    if not isinstance(value, dict):
+        raise ConfigError(f"model.config: {path} holds a {type(value).__name__}, not a config mapping.")
+    return value
+
+
+def recipe_model_config(config: dict | str) -> dict:
+    """The Hugging Face config dict a recipe's `model.config` gives: a mapping as it is; a path, that JSON file's
+    mapping; a mapping with `base: <path>`, that file's mapping with the mapping's other keys merged over it (nested
+    mappings merge, other values replace: a benchmark's depth over the published config). ConfigError when a file
+    is missing or not JSON, or the model_type is not one of MODEL_TYPES."""
+    if isinstance(config, str):
+        raw = _read_json(config)
+    elif BASE_KEY in config:
+        base = config[BASE_KEY]
+        if not isinstance(base, str):
+            raise ConfigError(f"model.config.{BASE_KEY} must be a path to a JSON config, got {base!r}.")
+        raw = deep_merge(_read_json(base), {k: v for k, v in config.items() if k != BASE_KEY})
+    elif "model_type" not in config:
+        raise ConfigError(
+            f"model.config has no model_type and no {BASE_KEY}: <file> (keys: {sorted(config)}). A dotted override "
+            f"of a field replaces a model.config given as a path: write it as {{{BASE_KEY}: <file>}} to merge over it."
+        )
+    else:
+        raw = dict(config)
+    if raw.get("model_type") not in FAMILIES:
+        raise ConfigError(f"model.config.model_type must be one of {MODEL_TYPES}, got {raw.get('model_type')!r}.")
+    return raw
+
+
+def with_tiny_token_ids(raw: dict) -> dict:
+    """`raw` (a config dict) with the built-in tiny tokenizer's special-token ids (core/special_tokens.py) in its
+    token-id fields, its vocabulary and everything else kept: what a random init trained with the tiny processor
+    needs, since that processor's tokens carry those ids."""
+    text = {**raw.get("text_config", {}), **TINY_TEXT_CONFIG_TOKEN_IDS}
+    return {**raw, **TINY_CONFIG_TOKEN_IDS, "text_config": text}
+
+
 def hf_config(model_cfg) -> PretrainedConfig:
     """The Hugging Face config of the recipe's model (no weights are read). `model_cfg`: the recipe's `model`
-    section (its `config` dict for a random init, else its `name_or_path` checkpoint)."""
-    if model_cfg.config is not None:
-        raw = dict(model_cfg.config)
-        model_type = raw.pop("model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(f"model.config.model_type must be one of {MODEL_TYPES}, got {model_type!r}.")
-        return AutoConfig.for_model(model_type, **raw)
+    section.
+
+    With `name_or_path`, the checkpoint's own config; a `config` beside it must describe the same model
+    (ARCHITECTURE_FIELDS; ConfigError naming the differences otherwise). Without, a random init from `config`
+    (`recipe_model_config`); when no `processor` is named either, the data run through the built-in tiny
+    processor, so the config takes its special-token ids (`with_tiny_token_ids`)."""
+    if model_cfg.name_or_path is None:
+        raw = recipe_model_config(model_cfg.config)
+        if model_cfg.processor is None:
+            raw = with_tiny_token_ids(raw)
+        return _from_dict(raw)
     config = _pretrained_config(model_cfg.name_or_path)
     if config.model_type not in FAMILIES:
         raise ValueError(
             f"{model_cfg.name_or_path} is a {config.model_type!r} model; supported: {', '.join(MODEL_TYPES)}."
         )
+    if model_cfg.config is not None:
+        differences = architecture_differences(config, _from_dict(recipe_model_config(model_cfg.config)))
+        if differences:
+            raise ConfigError(
+                f"model.name_or_path={model_cfg.name_or_path} is not the model model.config describes "
+                f"({'; '.join(differences)}): use its own recipe, or add model.config=null to train it as it is."
+            )
     return config
+
+
+def _from_dict(raw: dict) -> PretrainedConfig:
+    raw = dict(raw)
+    return AutoConfig.for_model(raw.pop("model_type"), **raw)
+
+
+def architecture_differences(checkpoint: PretrainedConfig, recipe: PretrainedConfig) -> list[str]:
+    """'<field>: <checkpoint's> in the checkpoint, <recipe's> in model.config' for every ARCHITECTURE_FIELDS field
+    where the two configs differ."""
+    differences = []
+    for section, fields in ARCHITECTURE_FIELDS.items():
+        ours, theirs = (getattr(c, section) if section else c for c in (checkpoint, recipe))
+        for name in fields:
+            a, b = getattr(ours, name, None), getattr(theirs, name, None)
+            if a != b:
+                differences.append(f"{section + '.' if section else ''}{name}: {a!r} in the checkpoint, {b!r} here")
+    return differences
 
 
 def _pretrained_config(source: str) -> PretrainedConfig:

@@ -3,6 +3,8 @@
 Packed: one (1, T) row of concatenated samples with cu_seqlens / seq_idx / 4-row positions. Padded: (B, S) rows,
 right-padded, with an attention mask. In both, `shift_labels[t]` is the target of position t: the label of token
 t+1 of the same sample, and -100 at each sample's last token, so no position predicts across a boundary.
+`label_rows` lists the positions that have a label, so the loss gathers those rows of the final hidden states and
+the lm_head never multiplies a row without one (most of a vision pack's rows: image, video and prompt tokens).
 """
 
 from __future__ import annotations
@@ -18,6 +20,14 @@ from data.video import Clip, VideoSettings, load_clip, video_patches
 
 logger = logging.getLogger(__name__)
 TEXT, IMAGE, VIDEO = 0, 1, 2
+
+
+def label_rows(shift_labels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """long (n,): the flat indices (into `shift_labels.reshape(-1)`, i.e. the rows of the flattened final hidden
+    states) of the positions whose label is not IGNORE_INDEX, ascending. Made on the host with the batch, so the
+    loss knows n without reading the device."""
+    flat = np.asarray(shift_labels).reshape(-1)
+    return torch.from_numpy(np.flatnonzero(flat != IGNORE_INDEX).astype(np.int64))
 
 
 class Collator:
@@ -154,10 +164,10 @@ class Collator:
         }
 
     def packed(self, rows: list[dict]) -> dict:
-        """One pack: input_ids (1, T) long, position_ids (4, 1, T) long, shift_labels (1, T) long,
-        mm_token_type_ids (1, T) int32, cu_seqlens (n+1,) int32, max_seqlen int, seq_idx (1, T) int32,
-        pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw / second_per_grid_ts, and the
-        Python-int counts."""
+        """One pack: input_ids (1, T) long, position_ids (4, 1, T) long, shift_labels (1, T) long, label_rows
+        (n,) long (`label_rows`), mm_token_type_ids (1, T) int32, cu_seqlens (n+1,) int32, max_seqlen int,
+        seq_idx (1, T) int32, pixel_values / image_grid_thw, pixel_values_videos / video_grid_thw /
+        second_per_grid_ts, and the Python-int counts."""
         rows, images, clips, skipped = self.decoded(rows)
         parts = [self.sample_arrays(row) for row in rows]
         lengths = [len(p["input_ids"]) for p in parts]
@@ -173,6 +183,7 @@ class Collator:
             "input_ids": torch.from_numpy(input_ids)[None],
             "position_ids": torch.from_numpy(positions)[:, None],
             "shift_labels": torch.from_numpy(shift_labels)[None],
+            "label_rows": label_rows(shift_labels),
             "mm_token_type_ids": torch.from_numpy(token_types.astype(np.int32))[None],
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,
@@ -185,8 +196,9 @@ class Collator:
 
     def padded(self, rows: list[dict]) -> dict:
         """B samples right-padded to S = the longest: input_ids (B, S) long, attention_mask (B, S) long,
-        position_ids (4, B, S) long (0 on padding), shift_labels (B, S) long (-100 on padding),
-        mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, the video inputs, and the Python-int counts."""
+        position_ids (4, B, S) long (0 on padding), shift_labels (B, S) long (-100 on padding), label_rows (n,) long
+        (flat indices into B·S), mm_token_type_ids (B, S) int32, pixel_values / image_grid_thw, the video inputs,
+        and the Python-int counts."""
         rows, images, clips, skipped = self.decoded(rows)
         parts = [self.sample_arrays(row) for row in rows]
         batch, width = len(parts), max(len(p["input_ids"]) for p in parts)
@@ -209,6 +221,7 @@ class Collator:
             "attention_mask": torch.from_numpy(attention_mask),
             "position_ids": torch.from_numpy(positions),
             "shift_labels": torch.from_numpy(shift_labels),
+            "label_rows": label_rows(shift_labels),
             "mm_token_type_ids": torch.from_numpy(token_types),
             "pixel_values": pixel_values,
             "image_grid_thw": image_grid_thw,

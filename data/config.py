@@ -23,7 +23,9 @@ class DataConfig:
     video_min_pixels: int | None = None  # per-frame resize bounds (default: data.min_pixels / the image processor's)
     video_max_pixels: int | None = None  # default: the image bound, capped at 768 LLM tokens per frame
     num_proc: int = 1  # datasets.map workers
-    num_workers: int = 2  # processes collating batches (image decode + image processor) ahead of the step; 0 = inline
+    # processes collating batches (image decode + image processor) ahead of the step; 0 = inline; null = sized from
+    # the machine: min(8, cores per GPU process - 1) with CUDA, 0 on the CPU (training/defaults.py)
+    num_workers: int | None = None
     streaming: bool = False  # iterate without loading everything in memory
     on_error: Literal["skip", "raise"] = "skip"  # bad samples: counted and logged, or an error naming the sample
     cache_dir: str | None = None  # built-in dataset, tiny processor and processed-data cache (default: .cache)
@@ -34,7 +36,7 @@ class DataConfig:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
         if self.num_proc < 1:
             raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
-        if self.num_workers < 0:
+        if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
         if self.num_samples < 1:
             raise ConfigError(f"data.num_samples must be >= 1, got {self.num_samples}.")

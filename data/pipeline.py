@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import torch
 from datasets import Dataset
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
@@ -46,6 +47,31 @@ PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cac
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
+
+
+MAX_LOADER_WORKERS = 8  # collating 16k-token packs of 256-1024-token images keeps up with an H200 step at this many
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask, which container limits set), else the count."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def local_processes() -> int:
+    """Training processes on this machine (torchrun, which accelerate launch runs, sets LOCAL_WORLD_SIZE)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def default_loader_workers(on_cuda: bool, cores: int, processes: int) -> int:
+    """data.num_workers when null: with CUDA, a core per worker and one left for each of the machine's `processes`
+    training processes, at least 1 and at most MAX_LOADER_WORKERS; without CUDA 0 (collate inline: the step itself
+    keeps the cores busy)."""
+    if not on_cuda:
+        return 0
+    return max(1, min(MAX_LOADER_WORKERS, cores // max(1, processes) - 1))
 
 
 def cache_root(data_cfg: DataConfig) -> str:
@@ -568,8 +594,10 @@ def build_data(
         collate = functools.partial(_collate_then, collate, plan)
     common = {"fetch": fetch, "collate": collate, "packing_cfg": packing_cfg, "rank": rank, "world_size": world_size}
     # Streaming counts skips while iterating: that must happen in this process, so it collates inline.
-    num_workers = 0 if data_cfg.streaming else data_cfg.num_workers
-    common["num_workers"] = num_workers
+    num_workers = data_cfg.num_workers
+    if num_workers is None:
+        num_workers = default_loader_workers(torch.cuda.is_available(), cpu_cores(), local_processes())
+    common["num_workers"] = 0 if data_cfg.streaming else num_workers
     train_loader = StepLoader(
         train_items,
         seed=data_cfg.seed,

@@ -16,8 +16,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, train
 from transformers import AutoProcessor, PretrainedConfig, PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
 from core.families import FAMILIES
+from core.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data import image_only_processor
-from data.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.synthetic import corpus_texts
 
 # Qwen2's pre-tokenizer split (digits one at a time, words with a leading space), then byte-level BPE.

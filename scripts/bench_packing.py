@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from data.collate import label_rows
 from data.packing import PackItem, best_fit_decreasing
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
@@ -169,6 +170,7 @@ def padded_batch(model, samples: list[Sample]) -> dict:
         batch["position_ids"][:, row, :n] = single["position_ids"][:, 0, start : start + n]
         batch["shift_labels"][row, :n] = sample.shift_labels
     batch["pixel_values"], batch["image_grid_thw"] = single["pixel_values"], single["image_grid_thw"]
+    batch["label_rows"] = label_rows(batch["shift_labels"])
     return batch
 
 

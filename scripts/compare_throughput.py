@@ -61,7 +61,11 @@ Variants (train.py overrides they set):
            falls in the first, untimed step)
   bf16-compiled  bf16-weights and compiled together, the fastest measured setup on one GPU — only without
            --launcher, as bf16-weights
-  Every variant but bf16-weights and bf16-compiled sets train.master_weights=module.
+  shipped  nothing: the recipe as it ships, its `auto` settings resolved for the machine (training/defaults.py)
+  eager-fp32  train.compile=false, kernels.patch_embed=conv, train.master_weights=module, data.num_workers=2: eager
+           fp32 module weights, the baseline the shipped defaults are measured against
+  Every variant but bf16-weights, bf16-compiled and shipped sets train.master_weights=module; every one but
+  compiled, bf16-compiled and shipped runs eager with transformers' Conv3d patch embedding.
 """
 
 from __future__ import annotations
@@ -82,20 +86,21 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from core.config_tree import ConfigError
-from core.families import FAMILIES
+from core.families import FAMILIES, hf_config
 from training import run_files
 from training.config import load_config
 from verification.launch import log_tail, run_logged
 from verification.provenance import provenance
 
 FP32_MODULE = {"train.master_weights": "module"}
+EAGER = {"train.compile": "false", "kernels.patch_embed": "conv"}
 COMPILED = {"train.compile": "true", "kernels.patch_embed": "matmul"}
 VARIANT_OVERRIDES = {
-    "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **FP32_MODULE},
-    "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
-    "liger": {"kernels.mrope": "unfused", "packing.mode": "packed", **FP32_MODULE},
-    "padded": {"kernels.mrope": "fused", "packing.mode": "padded", **FP32_MODULE},
-    "bf16-weights": {"kernels.mrope": "fused", "packing.mode": "packed", "train.master_weights": "optimizer"},
+    "fused": {"kernels.mrope": "fused", "packing.mode": "packed", **EAGER, **FP32_MODULE},
+    "unfused": {"kernels.mrope": "unfused", "packing.mode": "packed", **EAGER, **FP32_MODULE},
+    "liger": {"kernels.mrope": "unfused", "packing.mode": "packed", **EAGER, **FP32_MODULE},
+    "padded": {"kernels.mrope": "fused", "packing.mode": "padded", **EAGER, **FP32_MODULE},
+    "bf16-weights": {"kernels.mrope": "fused", "packing.mode": "packed", **EAGER, "train.master_weights": "optimizer"},
     "compiled": {"kernels.mrope": "fused", "packing.mode": "packed", **COMPILED, **FP32_MODULE},
     "bf16-compiled": {
         "kernels.mrope": "fused",
@@ -103,6 +108,8 @@ VARIANT_OVERRIDES = {
         **COMPILED,
         "train.master_weights": "optimizer",
     },
+    "shipped": {},
+    "eager-fp32": {**EAGER, **FP32_MODULE, "data.num_workers": "2"},
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
@@ -111,6 +118,7 @@ RESERVED_KEYS = {
     "train.master_weights",
     "train.compile",
     "kernels.patch_embed",
+    "data.num_workers",
     "train.output_dir",
     "train.max_steps",
     "logging.group",
@@ -242,7 +250,7 @@ def select_variants(requested: str, model_type: str, launcher: str | None) -> tu
         elif launcher is not None:
             left_out["liger"] = "the liger variant runs only without --launcher (one process)"
     for name in names:
-        if VARIANT_OVERRIDES[name]["train.master_weights"] == "optimizer" and launcher is not None:
+        if VARIANT_OVERRIDES[name].get("train.master_weights") == "optimizer" and launcher is not None:
             left_out[name] = (
                 "train.master_weights=optimizer runs only without --launcher (one process): DDP refuses it, FSDP2 "
                 "already computes on bf16 weights"
@@ -529,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
     if clashes:
         raise ConfigError(f"{clashes} are set by the comparison itself; use --steps/--warmup/--variants/--group.")
     cfg = load_config(args.config, args.overrides)  # validates the recipe and overrides before any run starts
-    model_type = (cfg.model.config or {}).get("model_type") or _checkpoint_model_type(cfg.model.name_or_path)
+    model_type = hf_config(cfg.model).model_type
     variants, left_out = select_variants(args.variants, model_type, args.launcher)
     for name, reason in left_out.items():
         print(f"[compare] variant {name} left out: {reason}", flush=True)
@@ -589,12 +597,6 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"\n{title}\n\n{text}\n\n{ratios}\n")
     print(f"[compare] wrote {out_dir}/comparison.{{json,png,md}}")
     return report
-
-
-def _checkpoint_model_type(name_or_path: str) -> str:
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(name_or_path).model_type
 
 
 if __name__ == "__main__":

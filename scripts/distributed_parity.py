@@ -9,12 +9,14 @@ resume/export.
 
 For each recipe, separate launches of train.py (every one with NVLink multicast off, training/distributed.py):
   single   one GPU, P accumulation micro-steps per optimizer step    python train.py
+           (every layout runs REFERENCE_PATH, eager with fp32 module weights, unless the user's overrides change it)
   single-repeat   the same launch again (--repeat-single)
-  bf16-compiled   one GPU on bf16 weights with fp32 masters in the optimizer, compiled    python train.py
-                  train.master_weights=optimizer train.compile=true (only when --layouts names it): the fastest
-                  one-GPU setup, judged against the 1-GPU run like a layout (docs/numerics.md); each
-                  --fast-override KEY=VALUE is added to its launch alone (a lever whose numerics the curve judges,
-                  e.g. kernels.patch_embed=matmul, while the 1-GPU run stays the default path)
+  bf16-compiled   one GPU on bf16 weights with fp32 masters in the optimizer, compiled, the matmul patch
+                  embedding    python train.py train.master_weights=optimizer train.compile=true
+                  kernels.patch_embed=matmul (only when --layouts names it): the one-GPU path the recipes ship
+                  with, judged against the 1-GPU run like a layout (the numerics rule of a default:
+                  docs/numerics.md); each --fast-override KEY=VALUE is added to its launch alone (a lever whose
+                  numerics the curve judges, while the 1-GPU run stays the reference path)
   bf16-compiled-repeat   the same launch again (--repeat-fast): a second draw of its gap to the 1-GPU run, for
                   scripts/curve_spread.py, which pools such draws against the 1-GPU runs' repeats
   ddp      N GPUs, P/N micro-steps each                              accelerate launch … ddp.yaml
@@ -81,7 +83,11 @@ DEFAULT_RECIPES = "recipes/smoke.yaml,recipes/bench-qwen2_5_vl-3b-shape.yaml"
 FAST = "bf16-compiled"
 LAYOUTS = ("single", FAST, "ddp", "fsdp2")  # what --layouts may name, in launch order
 DEFAULT_LAYOUTS = ("single", "ddp", "fsdp2")
-LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true"]}  # after the user's: they win
+# The reference path every layout runs unless told otherwise (before the user's overrides, which may change it):
+# eager blocks, fp32 module weights under autocast, transformers' Conv3d patch embedding.
+REFERENCE_PATH = ["train.compile=false", "train.master_weights=module", "kernels.patch_embed=conv"]
+# The fast layout: the one-GPU path a recipe ships with (training/defaults.py), set explicitly; after the user's
+LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true", "kernels.patch_embed=matmul"]}
 REPEAT = "single-repeat"  # the single layout launched again (--repeat-single): the reference's own run-to-run noise
 FAST_REPEAT = f"{FAST}-repeat"  # the fast layout launched again (--repeat-fast): another draw of its gap
 ONE_GPU_LAYOUTS = ("single", REPEAT, FAST, FAST_REPEAT)
@@ -204,9 +210,10 @@ def micro_step_overrides(layout: str, gpus: int, packs_per_step: int) -> list[st
 
 
 def common_overrides(args: argparse.Namespace, steps: int) -> list[str]:
-    """Overrides of every launch of one recipe: its step count, per-step logging, no eval, a fresh start; then the
-    user's own."""
+    """Overrides of every launch of one recipe: its step count, per-step logging, no eval, a fresh start, the
+    reference path (REFERENCE_PATH); then the user's own."""
     return [
+        *REFERENCE_PATH,
         f"train.max_steps={steps}",
         f"logging.timing_warmup_steps={args.warmup}",
         "logging.every_steps=1",

@@ -312,13 +312,16 @@ def test_variant_selection_refuses_bad_requests():
 
 def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():
     """bf16-weights is the fused variant with train.master_weights=optimizer, bf16-compiled the compiled one (every
-    other variant sets module, and a user override of the key is refused); both are left out under --launcher (one
-    process only); a tokens/s ratio and loss gap are named against fused."""
+    other variant but shipped, which leaves the recipe's auto, sets module, and a user override of the key is
+    refused); both are left out under --launcher (one process only); a tokens/s ratio and loss gap are named
+    against fused."""
     bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
-    on_bf16 = {n for n, v in compare.VARIANT_OVERRIDES.items() if v["train.master_weights"] == "optimizer"}
+    variants = {n: v for n, v in compare.VARIANT_OVERRIDES.items() if n != "shipped"}
+    on_bf16 = {n for n, v in variants.items() if v["train.master_weights"] == "optimizer"}
     assert on_bf16 == {"bf16-weights", "bf16-compiled"}
-    assert {v["train.master_weights"] for n, v in compare.VARIANT_OVERRIDES.items() if n not in on_bf16} == {"module"}
+    assert {v["train.master_weights"] for n, v in variants.items() if n not in on_bf16} == {"module"}
+    assert compare.VARIANT_OVERRIDES["shipped"] == {}
     assert "train.master_weights" in compare.RESERVED_KEYS
     kept, left_out = compare.select_variants("fused,bf16-weights,unfused,bf16-compiled", "qwen2_5_vl", "accelerate")
     assert kept == ["fused", "unfused"] and left_out.keys() == on_bf16
@@ -334,6 +337,24 @@ def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live(
     ratios = compare.compare(results, "fused", warmup=1)["ratios"]
     assert ratios["bf16-weights/fused tokens/s"]["median"] == pytest.approx(1.25)
     assert ratios["bf16-weights vs fused max |dloss|"] == pytest.approx(0.05)
+
+
+def test_eager_variants_pin_what_the_shipped_defaults_change():
+    """Every variant but the compiled ones and shipped runs eager with the Conv3d patch embedding whatever the
+    defaults resolve to; eager-fp32 is that eager fp32-module path with two loader workers, the baseline of
+    scripts/bench_recipes.py."""
+    compiled = {"compiled", "bf16-compiled", "shipped"}
+    for name, overrides in compare.VARIANT_OVERRIDES.items():
+        if name not in compiled:
+            assert overrides["train.compile"] == "false" and overrides["kernels.patch_embed"] == "conv", name
+    assert compare.VARIANT_OVERRIDES["eager-fp32"] == {
+        "train.compile": "false",
+        "kernels.patch_embed": "conv",
+        "train.master_weights": "module",
+        "data.num_workers": "2",
+    }
+    kept, left_out = compare.select_variants("shipped,eager-fp32", "qwen3_5", "accelerate launch")
+    assert kept == ["shipped", "eager-fp32"] and left_out == {}
 
 
 def test_overrides_of_the_compared_keys_are_refused():

@@ -406,18 +406,19 @@ def test_compile_reports_without_warning(tiny_model, caplog, family):
     assert bool(report.eager_mixers) == (family == "qwen3_5")
 
 
-def test_compile_is_off_by_default_in_every_recipe():
-    """train.compile is opt-in: the default and every recipe leave the model eager."""
+def test_every_recipe_compiles_with_cuda_only():
+    """train.compile is auto in the schema and in every recipe: the blocks compile on CUDA (the fast path as shipped)
+    and stay eager on the CPU (training/defaults.py)."""
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
-    assert not any(load_config(str(path)).train.compile for path in recipes)
+    assert {load_config(str(path)).train.compile for path in recipes} == {"auto"}
 
 
 @pytest.mark.parametrize("enabled", tiered([True, False], fast=[False]))
 def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path, monkeypatch, enabled):
     """train.compile=true compiles the blocks once, before accelerate wraps the model, trains, and writes the first
-    step's wall and compile time to metrics.jsonl once; train.compile=false (the default) compiles nothing and
-    writes no such record."""
+    step's wall and compile time to metrics.jsonl once; train.compile=false (what auto resolves to on the CPU)
+    compiles nothing and writes no such record."""
     from accelerate.state import AcceleratorState
 
     compiled, options = [], []
@@ -553,7 +554,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import _build_tiny_model, _build_tiny_samples
 from test_compile import PACKS, compiled_graphs, loss_and_grads
-from training import compile as regional
+from training import compile as regional, parts
 from training.packed import enable_packed_forward
 from verification.packing_check import pack_samples
 
@@ -561,8 +562,9 @@ dist.init_process_group("gloo")
 rank = dist.get_rank()
 
 def build():
-    model = _build_tiny_model("qwen2_5_vl")
+    model = _build_tiny_model({family!r})
     enable_packed_forward(model)
+    parts.enable_gradient_checkpointing(model, llm={checkpointing!r}, vision={checkpointing!r})
     return model.train()
 
 reference, sharded = build(), build()
@@ -571,7 +573,7 @@ regional.compile_blocks(sharded, backend=counter)
 for unit in [*sharded.model.language_model.layers, *sharded.model.visual.blocks]:
     fully_shard(unit)
 fully_shard(sharded)
-worst, graphs = 0.0, []
+worst, worst_name, graphs = 0.0, "", []
 for step in range(3):  # the ranks' packs differ from each other and from step to step
     batch = pack_samples(reference, _build_tiny_samples(reference, PACKS[(step + rank) % 4], seed=step + rank))
     _, expected = loss_and_grads(reference, batch)
@@ -581,20 +583,26 @@ for step in range(3):  # the ranks' packs differ from each other and from step t
     _, grads = loss_and_grads(sharded, batch)
     for name, grad in grads.items():
         error = (grad.full_tensor() - expected[name]).abs().max() / expected[name].abs().max().clamp(min=1e-12)
-        worst = max(worst, error.item())
+        if error.item() > worst:
+            worst, worst_name = error.item(), name
     graphs.append(compiled_graphs(counter))
-print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}}", flush=True)
+print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}} in={{worst_name}}", flush=True)
 """
 
 
 @pytest.mark.slow
-def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
-    """Compiled blocks sharded with FSDP2 (gloo, 2 ranks, packs of different shapes per rank and step): gradients
-    equal one unsharded eager model's, and steps after the first compile nothing new (FSDP2's parameters trace with
-    symbolic shapes)."""
+@pytest.mark.parametrize(
+    ("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_5", True)], ids=str
+)
+def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path, family, checkpointing):
+    """Compiled blocks sharded with FSDP2 (gloo, 2 ranks, packs of different shapes per rank and step), with
+    gradient checkpointing replaying them and, for Qwen3.5, around its eager Gated DeltaNet mixers (the shipped
+    recipes' path under FSDP2): gradients equal one unsharded eager model's, and steps after the first compile
+    nothing new (FSDP2's parameters trace with symbolic shapes)."""
     worker, log = tmp_path / "worker.py", tmp_path / "fsdp2.log"
     tests = Path(__file__).parent
-    worker.write_text(FSDP2_WORKER.format(root=str(ROOT), tests=str(tests)) + WORKER_EXIT)
+    source = FSDP2_WORKER.format(root=str(ROOT), tests=str(tests), family=family, checkpointing=checkpointing)
+    worker.write_text(source + WORKER_EXIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     outcome = run_logged(command, log, 600, env=env, new_session=True)
@@ -602,8 +610,11 @@ def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path):
     assert outcome.code == 0, f"compiled FSDP2 steps failed or hung (exit {outcome.code}):\n{output[-3000:]}"
     results = re.findall(r"RESULT rank=(\d) worst=(\S+) graphs=(\[[\d, ]*\])", output)
     assert sorted(rank for rank, _, _ in results) == ["0", "1"]
+    # Qwen3.5: its layers' compiled parts around the eager mixer add the gates' terms in another order than eager,
+    # and the gradient of A_log, one sum over every token of terms that cancel, carries that most (relative to its max)
+    tolerance = 1e-4 if family == "qwen3_5" else 1e-5
     for _, worst, graphs in results:
-        assert float(worst) < 1e-5
+        assert float(worst) < tolerance
         first, *later = json.loads(graphs)
         assert first > 0 and all(g == first for g in later)
 

@@ -71,13 +71,15 @@ def test_zigzag_indices_cut_every_document_into_mirrored_chunks(context_size):
 
 def test_shard_carries_positions_labels_and_boundaries_with_the_tokens():
     """For every rank: the local positions and labels are the padded pack's at the rank's tokens; pad tokens carry
-    IGNORE_INDEX; the label counts of the ranks add up to the pack's; the query chunks and key prefixes are the
+    IGNORE_INDEX; each rank's label_rows are its labelled rows, and the label counts of the ranks add up to the
+    pack's (which every shard keeps for the FLOP count); the query chunks and key prefixes are the
     zig-zag chunks and their documents' prefixes; whole-pack inputs are padded, not sharded."""
     lengths = [5, 8, 3]
     batch = synthetic_pack(lengths, image_tokens=2)
     shards = [shard_pack(batch, r, 2, PAD, MERGE) for r in range(2)]
     padded = [8, 8, 4]
     assert sum(s["num_label_tokens"] for s in shards) == batch["num_label_tokens"]
+    assert all(s["cp_pack_label_tokens"] == batch["num_label_tokens"] for s in shards)
     for r, shard in enumerate(shards):
         local = shard["cp_local_index"].numpy()
         ids = shard["input_ids"][0].numpy()
@@ -86,6 +88,7 @@ def test_shard_carries_positions_labels_and_boundaries_with_the_tokens():
         assert real.sum() == sum(lengths) and (ids[real] == np.arange(sum(lengths)) + 100).all()
         # the local labels are the next tokens of the local tokens' samples, IGNORE_INDEX on pads and sample ends
         labels = shard["shift_labels"][0].numpy()
+        assert shard["label_rows"].tolist() == np.flatnonzero(labels != IGNORE_INDEX).tolist()
         for token, label in zip(ids[local], labels):
             if token == PAD:
                 assert label == IGNORE_INDEX

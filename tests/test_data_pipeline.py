@@ -18,11 +18,11 @@ from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
 from core.families import hf_config
+from core.special_tokens import EOS_ID
 from data.config import PackingConfig
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from data.special_tokens import EOS_ID
 from data.synthetic import write_builtin_dataset
 from training import vision_plan
 from training.config import load_config
@@ -61,7 +61,8 @@ def sample_slices(batch):
 
 def test_labels_never_cross_a_sample_boundary(cache):
     """shift_labels[t] is the label of token t+1 of the same sample, and -100 at each sample's last token;
-    cu_seqlens is int32 starting at 0 and ending at T, max_seqlen a Python int; packs respect the budget."""
+    label_rows lists exactly the labelled positions, ascending; cu_seqlens is int32 starting at 0 and ending at T,
+    max_seqlen a Python int; packs respect the budget."""
     cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=60", "packing.max_tokens=1024")
     train, _, _, _, _ = build(cfg)
     step_rows = [train.fetch([i.key for i in step[0].items]) for step in train.steps(0)]
@@ -70,6 +71,9 @@ def test_labels_never_cross_a_sample_boundary(cache):
         assert batch["cu_seqlens"][-1] == batch["input_ids"].shape[1] <= 1024
         assert isinstance(batch["max_seqlen"], int)
         assert batch["max_seqlen"] == max(s.stop - s.start for s in sample_slices(batch))
+        labelled = (batch["shift_labels"][0] != IGNORE_INDEX).nonzero().flatten()
+        assert batch["label_rows"].dtype == torch.long and torch.equal(batch["label_rows"], labelled)
+        assert len(labelled) == batch["num_label_tokens"] > 0
         for row, part in zip(rows, sample_slices(batch), strict=True):
             expected = [*row["labels"][1:], IGNORE_INDEX]
             assert batch["shift_labels"][0, part].tolist() == expected
@@ -164,7 +168,8 @@ def test_train_loader_steps_are_whole_optimizer_steps(cache):
 
 
 def test_padded_mode_batches(cache):
-    """Padded batches: padding has attention_mask 0 and label -100, and real tokens match the samples."""
+    """Padded batches: padding has attention_mask 0 and label -100, real tokens match the samples, and label_rows
+    indexes the labelled positions of the flattened (B·S) batch."""
     cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=40", "packing.mode=padded", "packing.padded_batch_size=4")
     train, _, _, _, _ = build(cfg)
     rows = train.fetch([i.key for i in next(iter(train.steps(0)))[0].items])
@@ -173,6 +178,7 @@ def test_padded_mode_batches(cache):
     assert batch["position_ids"].shape[:2] == (4, 4)
     assert batch["attention_mask"].sum(1).tolist() == [r["length"] for r in rows]
     assert (batch["shift_labels"][batch["attention_mask"] == 0] == IGNORE_INDEX).all()
+    assert torch.equal(batch["label_rows"], (batch["shift_labels"].flatten() != IGNORE_INDEX).nonzero().flatten())
 
 
 def good_records(tmp_path, count=8):

@@ -299,13 +299,17 @@ def test_repeat_single_is_one_gpu_with_the_single_overrides():
 
 def test_bf16_compiled_is_one_gpu_like_single_plus_its_two_keys():
     """The bf16-compiled layout runs only when named: one GPU, single's packs and overrides, then bf16 weights with
-    fp32 masters in the optimizer and compile, which a user override cannot undo; it is judged against single."""
+    fp32 masters in the optimizer, compile and the matmul patch embedding (the shipped one-GPU path), which a user
+    override cannot undo; it is judged against single, which runs the eager fp32 reference path."""
     assert parity.FAST not in parity.launch_plan(parity.parse_args(["--out", "x.json"]), 10, with_resume=False)
     argv = ["--out", "x.json", "--layouts", "fsdp2,bf16-compiled,single", "--repeat-single", "train.compile=false"]
     plan = parity.launch_plan(parity.parse_args(argv), steps=10, with_resume=False)
     assert list(plan) == ["single", parity.REPEAT, parity.FAST, "fsdp2"]
-    assert plan[parity.FAST] == [*plan["single"], "train.master_weights=optimizer", "train.compile=true"]
+    assert plan[parity.FAST] == [*plan["single"], *parity.LAYOUT_OVERRIDES[parity.FAST]]
     assert overrides_of(plan[parity.FAST])["train.compile"] == "true"
+    assert overrides_of(plan[parity.FAST])["kernels.patch_embed"] == "matmul"
+    reference = overrides_of(plan["single"])
+    assert (reference["train.master_weights"], reference["kernels.patch_embed"]) == ("module", "conv")
     assert parity.num_processes(parity.FAST, 2) == 1
     assert parity.command_for(parity.FAST, 2, PORT) == parity.command_for("single", 2, PORT)
     runs = {"single": fake_run(1, 100.0, {1: 5.0, 2: 4.0}), parity.FAST: fake_run(1, 130.0, {1: 5.0, 2: 4.02})}
@@ -317,13 +321,13 @@ def test_fast_overrides_and_repeat_reach_the_fast_launches_only():
     """--fast-override items come last in the bf16-compiled launch (after its own keys, so they win) and nowhere
     else; --repeat-fast launches it again right after it with the same overrides, one GPU, judged like it."""
     argv = ["--out", "x.json", "--layouts", "single,bf16-compiled", "--repeat-single", "--repeat-fast"]
-    argv += ["--fast-override", "kernels.patch_embed=matmul", "--fast-override", "data.video_share=0.5"]
+    argv += ["--fast-override", "data.num_workers=4", "--fast-override", "data.video_share=0.5"]
     plan = parity.launch_plan(parity.parse_args([*argv, "data.num_samples=40"]), steps=10, with_resume=False)
     assert list(plan) == ["single", parity.REPEAT, parity.FAST, parity.FAST_REPEAT]
-    fast_keys = ["train.master_weights=optimizer", "train.compile=true", "kernels.patch_embed=matmul"]
+    fast_keys = [*parity.LAYOUT_OVERRIDES[parity.FAST], "data.num_workers=4"]
     assert plan[parity.FAST] == [*plan["single"], *fast_keys, "data.video_share=0.5"]
     assert plan[parity.FAST_REPEAT] == plan[parity.FAST]
-    assert "kernels.patch_embed=matmul" not in plan["single"] and "data.num_samples=40" in plan["single"]
+    assert "data.num_workers=4" not in plan["single"] and "data.num_samples=40" in plan["single"]
     assert parity.num_processes(parity.FAST_REPEAT, 2) == 1
     runs = {"single": fake_run(1, 100.0, {1: 5.0, 2: 4.0}), parity.FAST_REPEAT: fake_run(1, 130.0, {1: 5.0, 2: 4.1})}
     result = parity.summarize("recipes/x.yaml", 2, parity.parse_args(argv), runs, {}, None)

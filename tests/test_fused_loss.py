@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
+from data.collate import label_rows
+from tests.tiers import tiered
 from training import loss, step
 from training.loss import linear_cross_entropy
 from training.loss_kernel import cross_entropy_grad_
@@ -14,6 +16,7 @@ from training.packed import enable_packed_forward
 from verification.packing_check import SampleSpec, pack_samples
 
 IGNORE_INDEX = -100
+FAMILY_NAMES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 GRAD_SCALE = 0.37  # the step multiplies the summed loss by world size / label count, never exactly 1
 
 
@@ -77,6 +80,30 @@ def test_all_labels_ignored():
     )
     assert value.item() == 0.0
     assert torch.count_nonzero(grad_hidden) == 0 and torch.count_nonzero(grad_weight) == 0
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 8, None])
+@pytest.mark.parametrize("labelled", ["some", "none"])
+def test_labelled_rows_only_equal_every_row_bit_for_bit(chunk_rows, labelled):
+    """Given the labelled rows (planned on the host), the lm_head multiplies only those, and in fp32 on the CPU the
+    loss equals the one over every row bit for bit, and so do both gradients when the rows are one chunk (over
+    several, the chunks' matmuls hold other rows: fp32 rounding); with no labelled row at all: loss 0 and zero
+    gradients, no NaN."""
+    hidden, weight, labels = problem(37)
+    if labelled == "none":
+        labels = torch.full_like(labels, IGNORE_INDEX)
+    rows = label_rows(labels)
+    every = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_rows=chunk_rows)
+    only = loss_and_grads(linear_cross_entropy, hidden, weight, labels, chunk_rows=chunk_rows, rows=rows)
+    assert torch.equal(only[0], every[0])
+    for a, e in zip(only[1:], every[1:]):
+        if chunk_rows is None:
+            assert torch.equal(a, e)
+        else:
+            assert_relative(a, e)
+    assert torch.isfinite(only[0]) and torch.count_nonzero(only[1][labels == IGNORE_INDEX]) == 0
+    if labelled == "none":
+        assert only[0].item() == 0.0 and not only[1].any() and not only[2].any()
 
 
 @pytest.mark.parametrize("frozen", ["weight", "hidden"])
@@ -269,6 +296,7 @@ def padded_batch(samples) -> dict:
         batch["shift_labels"][row, : len(sample)] = sample.shift_labels
     for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
         batch[key] = torch.cat([getattr(s, key) for s in samples if getattr(s, key) is not None])
+    batch["label_rows"] = label_rows(batch["shift_labels"])
     return batch
 
 
@@ -293,6 +321,45 @@ def test_train_module_equals_unfused_logits(tiny_model, tiny_samples, monkeypatc
         assert_relative(fused_grads[name], grad, rel=1e-5, name=name)
     with torch.no_grad():
         assert_relative(module(batch), unfused_loss)
+
+
+@pytest.mark.parametrize("layout", ["packed", "padded", "packed without labels"])
+@pytest.mark.parametrize("family", tiered(FAMILY_NAMES, fast=("qwen2_5_vl", "qwen3_5")))
+def test_train_module_loss_over_labelled_rows_equals_every_row(tiny_model, tiny_samples, monkeypatch, family, layout):
+    """In fp32 on the CPU, TrainModule's loss over the batch's labelled rows (`label_rows`) and the gradient of every
+    parameter equal, bit for bit, those of the same loss over every row of the pack (images, videos, prompts and
+    padding included), for a pack, a padded batch and a pack without a single label (loss 0, zero gradients); the
+    rows are one lm_head chunk, as the tiny vocabulary's default chunk holds any pack."""
+    model = tiny_model(family)
+    enable_packed_forward(model)
+    module = step.TrainModule(model)
+    specs = (SampleSpec(5, ((2, 4),), text_after=3), SampleSpec(4, videos=((2, 2, 2),), text_after=2), SampleSpec(7))
+    samples = tiny_samples(model, specs)
+    if layout == "packed without labels":
+        for sample in samples:
+            sample.shift_labels = torch.full_like(sample.shift_labels, IGNORE_INDEX)
+    batch = padded_batch(samples) if layout == "padded" else pack_samples(model, samples)
+    assert batch["label_rows"].numel() == int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    labelled_loss, labelled_grads = step_grads(module, batch, step.TrainModule.forward)
+    with monkeypatch.context() as every_row:
+        every_row.setattr(step, "labelled_rows", lambda batch: None)  # linear_cross_entropy over all rows
+        every_loss, every_grads = step_grads(module, batch, step.TrainModule.forward)
+    assert torch.equal(labelled_loss, every_loss)
+    assert labelled_grads.keys() == every_grads.keys()
+    for name, grad in every_grads.items():
+        assert torch.equal(labelled_grads[name], grad), name
+    if layout == "packed without labels":
+        assert labelled_loss.item() == 0.0 and not any(grad.any() for grad in labelled_grads.values())
+
+
+def test_train_module_refuses_a_batch_without_label_rows(tiny_model, tiny_samples):
+    """A batch made without `label_rows` is refused with the fix, not counted on the device (a host sync)."""
+    model = tiny_model("qwen2_5_vl")
+    enable_packed_forward(model)
+    batch = pack_samples(model, tiny_samples(model, (SampleSpec(6),)))
+    del batch["label_rows"]
+    with pytest.raises(ValueError, match="label_rows"):
+        step.TrainModule(model)(batch)
 
 
 def test_train_module_pack_reaches_attention_without_a_mask(tiny_model, tiny_samples):

@@ -129,16 +129,15 @@ def test_matmul_weights_are_cast_and_everything_else_stays_fp32():
 
 
 def test_matmul_weights_are_bf16_and_the_optimizer_steps_masters_and_fp32_parameters(data_cache):
-    """On the tiny model: the Linear/Conv3d weights are bf16 (frozen ones too) and the embeddings, the untied lm_head
-    and the norms fp32, as are buffers such as the rotary frequencies; the optimizer's parameters are the fp32
-    masters of the trainable bf16 weights and the trainable fp32 parameters themselves, each once, in
+    """On the tiny model: the Linear weights are bf16 (frozen ones too) and the embeddings, the untied lm_head, the
+    patch embedding and the norms fp32, as are buffers such as the rotary frequencies; the optimizer's parameters are
+    the fp32 masters of the trainable bf16 weights and the trainable fp32 parameters themselves, each once, in
     optim.param_groups' groups with their names, learning rates and weight decay; clipping covers the same tensors."""
     with training(data_cache, "optimizer", "model.freeze_vision=true", "train.lr_merger=0.01") as (cfg, _, setup):
         model = setup.module.model
         masters = setup.masters
         dtypes = {name: p.dtype for name, p in model.named_parameters()}
         for name in (
-            "model.visual.patch_embed.proj.weight",
             "model.visual.blocks.0.attn.qkv.weight",  # frozen
             "model.visual.merger.mlp.0.bias",
             "model.language_model.layers.0.self_attn.q_proj.weight",
@@ -147,6 +146,7 @@ def test_matmul_weights_are_bf16_and_the_optimizer_steps_masters_and_fp32_parame
         ):
             assert dtypes[name] == torch.bfloat16, name
         for name in (
+            "model.visual.patch_embed.proj.weight",  # frozen; its gradients add in fp32 (training/patch_embed.py)
             "model.visual.blocks.0.norm1.weight",  # frozen
             "model.visual.merger.ln_q.weight",
             "model.language_model.embed_tokens.weight",
@@ -344,14 +344,18 @@ def test_checkpoints_hold_fp32_masters_and_resume_is_exact(data_cache, tmp_path)
 def test_which_runs_keep_masters_in_the_optimizer():
     """Mode "optimizer" takes effect on one process with bf16; it changes nothing with float32 (the weights are the
     masters) or under FSDP2 (which already computes on bf16 parameters with fp32 masters); under DDP it is a
-    ConfigError pointing to FSDP2, since DDP would all-reduce bf16 gradients; float16 is refused by the config."""
+    ConfigError pointing to FSDP2, since DDP would all-reduce bf16 gradients; float16 is refused by the config; an
+    unresolved auto is refused."""
 
     def accelerator(kind: DistributedType, processes: int) -> SimpleNamespace:
         return SimpleNamespace(distributed_type=kind, num_processes=processes)
 
     optimizer_mode = load_config(TINY, ["model.dtype=bfloat16", "train.master_weights=optimizer"])
     assert master_weights.enabled(optimizer_mode, accelerator(DistributedType.NO, 1))
-    assert not master_weights.enabled(load_config(TINY, ["model.dtype=bfloat16"]), accelerator(DistributedType.NO, 1))
+    module_mode = load_config(TINY, ["model.dtype=bfloat16", "train.master_weights=module"])
+    assert not master_weights.enabled(module_mode, accelerator(DistributedType.NO, 1))
+    with pytest.raises(ValueError, match="unresolved"):  # auto is training/defaults.py's to decide
+        master_weights.enabled(load_config(TINY, ["model.dtype=bfloat16"]), accelerator(DistributedType.NO, 1))
     fp32 = load_config(TINY, ["model.dtype=float32", "train.master_weights=optimizer"])
     assert not master_weights.enabled(fp32, accelerator(DistributedType.NO, 1))
     assert not master_weights.enabled(optimizer_mode, accelerator(DistributedType.FSDP, 2))

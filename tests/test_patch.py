@@ -19,7 +19,7 @@ import transformers
 from transformers.vision_utils import get_vision_position_ids
 
 from core import families
-from data.special_tokens import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
+from core.special_tokens import IMAGE_TOKEN_ID, VISION_END_ID, VISION_START_ID
 from mrope_kernels import PatchError, apply_rope_choice, ops, patch_model, reference, unpatch_model
 from mrope_kernels import patch as patch_module
 from tests.tiers import tiered

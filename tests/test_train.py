@@ -24,6 +24,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
 from core.config_tree import ConfigError
+from data.collate import label_rows
 from data.pipeline import STEP_VISION
 from tests.test_data_pipeline import forkserver_processes
 from training import checkpoint, loop, metrics, optim, parts, step, tracking
@@ -101,8 +102,9 @@ def finished_run(tmp_path_factory, data_cache) -> tuple[Path, dict]:
 
 
 def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
-    """A CPU run records every contract field per step, a summary with falling loss, the resolved config, and
-    offline wandb files, without any wandb login."""
+    """A CPU run records every contract field per step, a summary with falling loss, the resolved config (its
+    `auto` settings as they ran on the CPU: eager, fp32 module weights, collated inline), and offline wandb files,
+    without any wandb login."""
     out, summary = finished_run
     records = [r for r in read_metrics(out) if "loss" in r]
     assert [r["step"] for r in records] == [1, 2, 3, 4]
@@ -114,7 +116,9 @@ def test_cpu_run_writes_metrics_summary_config_and_wandb(finished_run):
     assert summary["steps"] == 4 and summary["loss_end"] < summary["loss_start"]
     assert summary == json.loads((out / "summary.json").read_text())
     assert summary["tokens_per_s_per_gpu"] > 0 and summary["timed_steps"] == 3
-    assert load_config(str(out / "config.yaml")).train.output_dir == str(out)
+    saved = load_config(str(out / "config.yaml"))
+    assert saved.train.output_dir == str(out)
+    assert (saved.train.compile, saved.train.master_weights, saved.data.num_workers) == (False, "module", 0)
     wandb_run = Path(summary["wandb_dir"])
     assert wandb_run.is_dir() and wandb_run.name.startswith("offline-run-") and wandb_run.parent == out / "wandb"
 
@@ -347,6 +351,7 @@ def text_pack(samples: list[tuple[list[int], list[int]]]) -> dict:
         "input_ids": ids,
         "position_ids": positions.expand(4, 1, -1).clone(),
         "shift_labels": labels,
+        "label_rows": label_rows(labels),
         "mm_token_type_ids": torch.zeros_like(ids, dtype=torch.int32),
         "pixel_values": None,
         "image_grid_thw": None,
@@ -473,9 +478,10 @@ def test_one_dummy_at_most_and_the_same_training(family):
 
 
 def test_pack_flops_matches_hand_count():
-    """pack_flops on the tiny Qwen2.5-VL equals a hand count from its dimensions: 6·N per token for the LLM and
-    per patch for the ViT (merger per merged token), per-document attention 3·4·H·d·sᵢ² (Σ sᵢ², not T²), and ViT
-    attention 3·4·H·d over full frames and over its 2×2-merged-token windows."""
+    """pack_flops on the tiny Qwen2.5-VL equals a hand count from its dimensions: 6·N per token for the decoder
+    layers, 6·V·H per labelled row for the lm_head (tied or not), 6·N per patch for the ViT (merger per merged token),
+    per-document attention 3·4·H·d·sᵢ² (Σ sᵢ², not T²), and ViT attention 3·4·H·d over full frames and over its
+    2×2-merged-token windows."""
     cfg = load_config(TINY)
     with torch.device("meta"):
         model = build_model(cfg.model)
@@ -487,19 +493,20 @@ def test_pack_flops_matches_hand_count():
         text["vocab_size"],
     )
     kv_width = text["num_key_value_heads"] * h // text["num_attention_heads"]
-    n_llm = layers * (2 * h * h + 2 * h * kv_width + 3 * h * inter) + vocab * h
+    n_llm = layers * (2 * h * h + 2 * h * kv_width + 3 * h * inter)
     vw, vi, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
     patch_dim = 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
     n_vit = vw * patch_dim + depth * (3 * vw * vw + vw * vw + 3 * vw * vi)
     merged_dim = vw * vision["spatial_merge_size"] ** 2
     n_merger = merged_dim * merged_dim + merged_dim * vision["out_hidden_size"]
 
-    lengths, grid = [10, 20], (1, 8, 12)  # 96 patches = 24 merged tokens in a 4x6 grid → windows of 2x2 merged
+    lengths, grid, labels = [10, 20], (1, 8, 12), 7  # 96 patches = 24 merged tokens in a 4x6 grid → 2x2 windows
     patches, merged = 96, 24
     window_pairs = (2 * 2 + 2 * 2) * (2 * 2 + 2 * 2 + 2 * 2) * 2**4  # Σa² · Σb² · m⁴
     full_layers = len(vision["fullatt_block_indexes"])
     expected = (
         6 * n_llm * sum(lengths)
+        + 6 * vocab * h * labels
         + 3 * 4 * h * (10**2 + 20**2) * layers
         + 6 * n_vit * patches
         + 6 * n_merger * merged
@@ -507,13 +514,19 @@ def test_pack_flops_matches_hand_count():
         + 3 * 4 * vw * window_pairs * (depth - full_layers)
     )
     profile = metrics.FlopProfile.from_model(model)
-    assert metrics.pack_flops(profile, lengths, [grid]) == pytest.approx(expected, rel=1e-12)
+    assert metrics.pack_flops(profile, lengths, [grid], labels) == pytest.approx(expected, rel=1e-12)
+
+    with torch.device("meta"):
+        tied = build_model(load_config(TINY, ["model.config.tie_word_embeddings=true"]).model)
+    assert tied.lm_head.weight is tied.get_input_embeddings().weight
+    assert metrics.FlopProfile.from_model(tied) == profile
 
     parts.freeze(model, {"vision": True, "merger": True})  # frozen ViT: forward only; LLM: no weight gradients...
     frozen = metrics.FlopProfile.from_model(model)  # ...but the LLM still trains here, so it keeps 3x
     vit_terms = 6 * n_vit * patches + 6 * n_merger * merged
     vit_attn = 3 * 4 * vw * (patches**2 * full_layers + window_pairs * (depth - full_layers))
-    assert metrics.pack_flops(frozen, lengths, [grid]) == pytest.approx(expected - (vit_terms + vit_attn) * 2 / 3)
+    frozen_expected = expected - (vit_terms + vit_attn) * 2 / 3
+    assert metrics.pack_flops(frozen, lengths, [grid], labels) == pytest.approx(frozen_expected)
 
 
 def test_peak_flops_table_and_override():

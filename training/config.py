@@ -11,13 +11,17 @@ from typing import Literal
 
 from core import config_tree
 from core.config_tree import ConfigError, check_seed
+from core.families import recipe_model_config
 from data.config import DataConfig, PackingConfig
 
 
 @dataclass
 class ModelConfig:
-    name_or_path: str | None = None  # checkpoint dir or hub id; None = random init from `config`
-    config: dict | None = None  # a Hugging Face config (model_type, text_config, vision_config, ...) for random init
+    name_or_path: str | None = None  # checkpoint dir or hub id to load; None = random init from `config`
+    # the model's Hugging Face config: a mapping (model_type, text_config, vision_config, ...), a JSON file of one
+    # (recipes/models/*.json: the published sizes), or a mapping with `base: <file>` merged over that file's;
+    # random init when name_or_path is unset, else checked against the checkpoint's (core/families.py)
+    config: dict | str | None = None
     processor: str | None = None  # processor dir; default: name_or_path, or the built-in tiny processor
     # the matmuls' compute dtype (autocast) and the export's weight dtype; the master weights stay fp32
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
@@ -28,11 +32,13 @@ class ModelConfig:
     freeze_llm: bool = False  # train no language-model parameter (embeddings, decoder layers, lm_head)
 
     def validate(self) -> None:
-        if (self.name_or_path is None) == (self.config is None):
-            message = "set exactly one of model.name_or_path (a checkpoint) or model.config (a random init)."
-            if self.name_or_path is not None:
-                message += " To train a checkpoint from a random-init recipe, add model.config=null."
-            raise ConfigError(message)
+        if self.name_or_path is None and self.config is None:
+            raise ConfigError(
+                "set model.config (a random init, e.g. model.config=recipes/models/qwen2_5_vl-3b.json) or "
+                "model.name_or_path (a checkpoint directory or hub id)."
+            )
+        if self.config is not None:
+            recipe_model_config(self.config)  # a missing or malformed file fails here, naming model.config
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ConfigError("model.freeze_vision, freeze_merger and freeze_llm are all true: nothing would train.")
 
@@ -43,9 +49,9 @@ class KernelsConfig:
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly, else the boundary-exact
     # torch path; the run logs which and why (training/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
-    # ViT patch embedding: "conv" = transformers' Conv3d; "matmul" = the same product as one matmul, faster on GPUs
-    # (docs/performance.md) but, with a bias, not bit-equal across train.master_weights modes (docs/numerics.md)
-    patch_embed: Literal["conv", "matmul"] = "conv"
+    # ViT patch embedding: "matmul" = transformers' Conv3d as the one matmul it is, faster on GPUs, weight gradients
+    # accumulated in fp32 (training/patch_embed.py); "conv" = transformers' Conv3d
+    patch_embed: Literal["conv", "matmul"] = "matmul"
 
 
 @dataclass
@@ -75,10 +81,12 @@ class TrainConfig:
     eval_every: int = 0  # evaluate the held-out split every N steps and at the end; 0 = no periodic eval
     eval_batches: int = 4  # held-out batches per rank in each evaluation (the same batches every time)
     # where the fp32 master weights live: "module" = an fp32 module that autocast casts at every use; "optimizer" =
-    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py, docs/numerics.md)
-    master_weights: Literal["module", "optimizer"] = "module"
-    # regional torch.compile of every decoder layer and ViT block (training/compile.py); the first step compiles
-    compile: bool = False
+    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py); "auto" =
+    # optimizer for one CUDA process in bfloat16, else module (training/defaults.py)
+    master_weights: Literal["auto", "module", "optimizer"] = "auto"
+    # regional torch.compile of every decoder layer and ViT block (training/compile.py; the first step compiles);
+    # "auto" = on with CUDA, off on the CPU (training/defaults.py)
+    compile: bool | Literal["auto"] = "auto"
 
     def validate(self) -> None:
         if self.lr <= 0:

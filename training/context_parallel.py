@@ -55,7 +55,7 @@ import torch
 import torch.distributed as dist
 
 from core.config_tree import ConfigError
-from data.collate import TEXT
+from data.collate import TEXT, label_rows
 from data.processing import IGNORE_INDEX
 
 VISION_KINDS = (("image", "pixel_values"), ("video", "pixel_values_videos"))
@@ -160,7 +160,8 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
 
     Kept whole (the model embeds the whole pack): input_ids (1, Tp) and mm_token_type_ids (1, Tp), documents padded
     with `pad_token_id` text tokens; image_grid_thw / video_grid_thw (every image and video of the pack).
-    Sharded (T_local = Tp / CP): position_ids (4, 1, T_local), shift_labels (1, T_local) (IGNORE_INDEX on pads).
+    Sharded (T_local = Tp / CP): position_ids (4, 1, T_local), shift_labels (1, T_local) (IGNORE_INDEX on pads),
+    label_rows (this rank's labelled rows, data/collate.py's `label_rows`).
     Vision: each image (video) goes to the context rank `deal_by_patches` picks: pixel_values / pixel_values_videos hold
     this rank's patches only (None when it has none), cp_image_grid_thw / cp_video_grid_thw their grids, and
     cp_image_rows / cp_video_rows (long) and cp_image_width / cp_video_width (int) say where each merged token of the
@@ -168,8 +169,9 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
     Added: cp_local_index, cp_kv_index (long), cp_cu_seqlens_q / cp_cu_seqlens_k (int32), cp_max_seqlen_q /
     cp_max_seqlen_k, cp_q_lengths / cp_k_lengths (Python ints), cp_visual_rows (long), cp_gather_order (long (Tp,)),
     cp_padded_cu_seqlens (int32) and cp_padded_lengths (Python ints), context_rank.
-    num_label_tokens is this rank's; the other counts (tokens, patches, sample_lengths) stay the pack's, and the
-    metrics count them on context rank 0 only. seq_idx and the whole-pack cu_seqlens / max_seqlen are dropped.
+    num_label_tokens is this rank's and cp_pack_label_tokens the pack's; the other counts (tokens, patches,
+    sample_lengths) stay the pack's, and the metrics count them on context rank 0 only. seq_idx and the whole-pack
+    cu_seqlens / max_seqlen are dropped.
     `spatial_merge_size`: the vision config's (patches per merged token = its square).
     """
     lengths = [int(s) for s in batch["sample_lengths"]]
@@ -212,6 +214,7 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
         mm_token_type_ids=torch.from_numpy(token_types),
         position_ids=torch.from_numpy(np.ascontiguousarray(positions[..., local])),
         shift_labels=torch.from_numpy(np.ascontiguousarray(local_labels)),
+        label_rows=label_rows(local_labels),
         cp_local_index=torch.from_numpy(local),
         cp_kv_index=torch.from_numpy(np.concatenate(kv_parts)),
         cp_cu_seqlens_q=torch.from_numpy(np.concatenate([[0], np.cumsum(q_lengths)]).astype(np.int32)),
@@ -226,6 +229,7 @@ def shard_pack(batch: dict, context_rank: int, context_size: int, pad_token_id: 
         cp_padded_lengths=padded,
         context_rank=context_rank,
         num_label_tokens=int((local_labels != IGNORE_INDEX).sum()),
+        cp_pack_label_tokens=int((shift_labels != IGNORE_INDEX).sum()),
     )
     for kind, pixel_key in VISION_KINDS:
         if batch.get(f"{kind}_grid_thw") is not None:

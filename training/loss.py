@@ -5,7 +5,9 @@ Memory: unfused, a pack of T = 16384 tokens over Qwen's V = 151936 vocabulary ho
 matmuls consume it. `linear_cross_entropy` instead walks the rows in chunks; for each chunk it computes the logits,
 the loss and at once the gradients of the hidden states and of the weight, and drops the logits (Liger-Kernel's fused
 linear cross-entropy). What it holds until backward is those two gradients, (T, H) and (V, H), instead of the logits
-and the bf16 copies of the hidden states and weight that nn.Linear saves.
+and the bf16 copies of the hidden states and weight that nn.Linear saves. Given the rows that have a label (the
+collator plans them on the host), it multiplies only those: on vision data most rows are image, video or prompt
+tokens without one, each of which would cost the three matmuls for a zero.
 Compute: backward only scales the stored gradients by the incoming scalar, so the work is the same three matmuls as
 unfused (logits, gradient of the input, gradient of the weight), none recomputed.
 
@@ -102,11 +104,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         hidden: torch.Tensor,
         weight: torch.Tensor,
         labels: torch.Tensor,
+        kept_rows: torch.Tensor | None,
         matmul_dtype: torch.dtype,
         chunk_rows: int,
         grad_hidden_wanted: bool,
         grad_weight_wanted: bool,
     ) -> torch.Tensor:
+        ctx.positions = hidden.shape[0]
+        if kept_rows is not None:
+            hidden, labels = hidden.index_select(0, kept_rows), labels.index_select(0, kept_rows)
         # Autocast off: every cast is explicit, and the weight gradient's products stay in the matmul dtype until
         # they reach the fp32 sum.
         want_grad = grad_hidden_wanted or grad_weight_wanted
@@ -130,20 +136,29 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 del logits  # before the next chunk's logits are allocated
             if grad_weight_wanted and grad_weight is None:  # no rows at all
                 grad_weight = torch.zeros_like(weight)
-        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype))
+        ctx.save_for_backward(grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), kept_rows)
+        if kept_rows is not None:  # summed among the other positions' zeros: the same fp32 additions as over all
+            row_loss = row_loss.new_zeros(ctx.positions).index_copy_(0, kept_rows, row_loss)
         return row_loss.sum()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
         # In place: the stored gradients are used once (a second backward fails the saved-tensor version check).
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, kept_rows = ctx.saved_tensors
         grad_hidden = None if grad_hidden is None else grad_hidden.mul_(grad_output)
+        if grad_hidden is not None and kept_rows is not None:  # the skipped rows' gradient: exact zeros
+            full = grad_hidden.new_zeros(ctx.positions, grad_hidden.shape[1])
+            grad_hidden = full.index_copy_(0, kept_rows, grad_hidden)
         grad_weight = None if grad_weight is None else grad_weight.mul_(grad_output)
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk_rows: int | None = None
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk_rows: int | None = None,
+    rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ over label tokens of -log softmax(hidden @ weight.T)[label], in fp32, the (N, V) logits never whole.
 
@@ -152,21 +167,29 @@ def linear_cross_entropy(
     IGNORE_INDEX where no target (those rows add 0 to the loss and get a zero gradient).
     chunk_rows: rows per chunk (default CE_KERNEL_CHUNK_ELEMENTS / V on CUDA, 7,067 rows for V = 151936;
     CE_CHUNK_ELEMENTS / V elsewhere, 1,766).
+    rows: long (n,), ascending, on hidden's device: the rows that have a label (data/collate.py's `label_rows`,
+    planned on the host); only they are multiplied by the lm_head. Every other row must be IGNORE_INDEX. None: all
+    N rows. A skipped row adds an exact 0 to the loss (kept in its place in the sum, which so adds in the same
+    order) and gets a zero gradient: the loss is that of all N rows bit for bit, and in fp32 on the CPU so are both
+    gradients when the rows are one chunk (over several, each chunk's matmuls hold other rows: fp32 rounding).
     Returns an fp32 scalar. The matmuls run in the dtype nn.Linear would use (autocast's, when on); softmax and loss
     in fp32; the weight gradient is accumulated over chunks in fp32 and returned in `weight`'s dtype, the hidden
     gradient in `hidden`'s. Gradients are computed in forward, only for inputs that need one (none under no_grad);
-    they are held until backward: (N, H) in `hidden`'s dtype plus (V, H) in `weight`'s, in place of the logits.
+    they are held until backward: (n, H) in `hidden`'s dtype plus (V, H) in `weight`'s, in place of the logits.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1] or labels.shape != hidden.shape[:1]:
         raise ValueError(
             f"expected hidden (N, H), weight (V, H), labels (N,); got {tuple(hidden.shape)}, {tuple(weight.shape)}, "
             f"{tuple(labels.shape)}."
         )
+    if rows is not None and (rows.dim() != 1 or rows.dtype != torch.long):
+        raise ValueError(f"rows must be a long (n,) tensor of row indices, got {rows.dtype} {tuple(rows.shape)}.")
     grad_enabled = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden,
         weight,
         labels,
+        rows,
         _matmul_dtype(hidden, weight),
         chunk_rows or max(1, _chunk_elements(hidden.device) // weight.shape[0]),
         grad_enabled and hidden.requires_grad,

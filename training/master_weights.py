@@ -7,7 +7,8 @@ dtype at every use (again in each gradient-checkpoint recompute). In "optimizer"
 the weight and bias of every nn.Linear, nn.Conv2d and nn.Conv3d, and any other parameter of two or more dimensions
 outside an nn.Embedding or nn.Conv1d (MoE routers, expert stacks such as `gate_up_proj` (E, 2I, H)).
 Everything else stays fp32 in the module, as in module mode, and the optimizer steps it directly (it is its own
-master: no copy, no hook): the embeddings and the output embedding (lm_head, tied to embed_tokens or not), norm
+master: no copy, no hook): the embeddings and the output embedding (lm_head, tied to embed_tokens or not), the ViT's
+patch embedding, norm
 weights and biases, 1-D parameters outside Linear/Conv (Gated DeltaNet's A_log, dt_bias) and nn.Conv1d parameters
 (Gated DeltaNet's depthwise conv, which fla's kernel reads as it is, not through autocast). Buffers (rotary
 frequencies) are not touched. So the residual stream and the norms stay fp32 and, on a dense model, the forward and
@@ -55,7 +56,10 @@ STATE_NAME = "custom_checkpoint_0.pkl"  # accelerate's file for the first object
 def enabled(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether this run keeps its masters in the optimizer: `train.master_weights == "optimizer"` on one process
     with a 16-bit `model.dtype`. A no-op, said in the log, for float32 (the weights are the masters) and under
-    FSDP2 (it already does this); a ConfigError under DDP (multi-process without FSDP)."""
+    FSDP2 (it already does this); a ConfigError under DDP (multi-process without FSDP). `auto` must be resolved
+    first (training/defaults.py)."""
+    if cfg.train.master_weights == "auto":
+        raise ValueError("train.master_weights=auto is unresolved: training.defaults.resolve(cfg, accelerator) first.")
     if cfg.train.master_weights == "module":
         return False
     if cfg.model.dtype == "float32":
@@ -82,18 +86,18 @@ _MATMUL_MODULES = (nn.Linear, nn.Conv2d, nn.Conv3d)  # weight and bias: autocast
 _KEPT_MODULES = (nn.Embedding, nn.Conv1d)  # looked up / read by fla's conv kernel as they are, not cast by autocast
 
 
-def computes_in_matmul(owner: nn.Module, param: nn.Parameter, embedding_ids: set[int]) -> bool:
+def computes_in_matmul(owner: nn.Module, param: nn.Parameter, kept_ids: set[int]) -> bool:
     """Whether `param` (held by `owner`) is cast to the compute dtype in the module: a tensor that module mode's
     autocast casts to bf16 at its every use anyway — a Linear/Conv2d/Conv3d weight or bias, or any other >= 2-D
     parameter outside an Embedding or a Conv1d (MoE routers; MoE expert stacks too, the one exception: module mode
-    multiplies them in fp32, see the module docstring) — but never an embedding weight (`embedding_ids`, from
-    `cast_param_ids`: a tied lm_head is the same tensor as embed_tokens).
+    multiplies them in fp32, see the module docstring) — but never one of `kept_ids` (from `cast_param_ids`: the
+    embeddings, the lm_head, which when tied is the same tensor as embed_tokens, and the ViT's patch embedding).
 
     Why: what stays fp32 (embeddings, norms, 1-D gates such as A_log and dt_bias, depthwise Conv1d) keeps the
     residual stream and the norms in fp32, so the forward equals module mode's bit for bit; what is cast, autocast
     casts at use in module mode, to the same bf16 values, since `MasterWeights.copy_to_module` rounds like its cast.
     """
-    if not param.is_floating_point() or id(param) in embedding_ids:
+    if not param.is_floating_point() or id(param) in kept_ids:
         return False
     if isinstance(owner, _MATMUL_MODULES):
         return True
@@ -107,17 +111,22 @@ def cast_param_ids(model: nn.Module) -> set[int]:
     identity (tied or not). The lm_head is never called as a Linear: training/loss.py's linear_cross_entropy casts it
     to the matmul dtype itself, as autocast would, and returns its gradient, accumulated in fp32 over the chunks, in
     the weight's dtype; a bf16 lm_head would get that gradient rounded to bf16 (and scaled by 1/label count in bf16)
-    before it reached its master, while an fp32 one gets module mode's gradient exactly.
+    before it reached its master, while an fp32 one gets module mode's gradient exactly. The ViT's patch embedding
+    (`model.model.visual.patch_embed`) stays fp32 too: called once for a pack's images and once for its videos, its
+    gradients then add in fp32 as in module mode (training/patch_embed.py), where a bf16 weight would add them in bf16.
     """
-    embedding_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    kept_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if output_embeddings is not None:
-        embedding_ids.add(id(output_embeddings.weight))
+        kept_ids.add(id(output_embeddings.weight))
+    patch_embed = getattr(getattr(getattr(model, "model", None), "visual", None), "patch_embed", None)
+    if patch_embed is not None:
+        kept_ids |= {id(param) for param in patch_embed.parameters()}
     return {
         id(param)
         for owner in model.modules()
         for param in owner.parameters(recurse=False)
-        if computes_in_matmul(owner, param, embedding_ids)
+        if computes_in_matmul(owner, param, kept_ids)
     }
 
 

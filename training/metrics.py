@@ -78,7 +78,8 @@ def _matmul_params(module: nn.Module, moe_active_fraction: float = 1.0) -> int:
 class FlopProfile:
     """The per-token and per-document constants of one model, read once (see `pack_flops` for how they're used)."""
 
-    llm_matmul_params: int  # active LLM weights per token, lm_head included, embeddings excluded
+    llm_matmul_params: int  # active decoder weights per token (embeddings and lm_head excluded)
+    lm_head_params: int  # vocabulary x hidden width, per labelled row (the loss multiplies no other row)
     llm_attn_layers: int  # softmax-attention decoder layers
     llm_attn_width: int  # num_attention_heads * head_dim
     llm_linear_layers: int  # Gated DeltaNet layers (Qwen3.5)
@@ -105,6 +106,7 @@ class FlopProfile:
             parts.merger_parts(model),
             parts.llm_parts(model),
         )
+        decoder = parts.inner_model(model).language_model
         moe_fraction = 1.0
         if getattr(text, "num_experts", None):
             moe_fraction = text.num_experts_per_tok / text.num_experts
@@ -123,9 +125,9 @@ class FlopProfile:
             return any(p.requires_grad for m in modules for p in m.parameters())
 
         vit_trains, merger_trains, llm_trains = trains(vision_tower), trains(mergers), trains(language_model)
-        llm_params = sum(_matmul_params(m, moe_fraction) for m in language_model)
         return cls(
-            llm_matmul_params=llm_params,
+            llm_matmul_params=_matmul_params(decoder, moe_fraction),
+            lm_head_params=_matmul_params(model.lm_head),  # a tied one too: the lookup is free, the matmul is not
             llm_attn_layers=sum(t == "full_attention" for t in layer_types),
             llm_attn_width=text.num_attention_heads * head_dim,
             llm_linear_layers=sum(t == "linear_attention" for t in layer_types),
@@ -154,17 +156,24 @@ def _window_square_sum(side: int, window: int) -> int:
     return full * window * window + rest * rest
 
 
-def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids: Sequence[Sequence[int]]) -> float:
+def pack_flops(
+    profile: FlopProfile, sample_lengths: Sequence[int], image_grids: Sequence[Sequence[int]], label_tokens: int
+) -> float:
     """Training FLOPs of one pack: forward + backward of the LLM over its samples and of the ViT over its images.
 
     sample_lengths: sᵢ, the token count of each sample in the pack (text and image placeholder tokens).
     image_grids: (t, h, w) in patches for each image/video in the pack.
+    label_tokens: the pack's labelled positions (`num_label_tokens`; the whole pack's under context parallelism).
 
     Derivation (a multiply-add is 2 FLOPs; backward costs 2× forward when weights train — one matmul for the input
     gradient, one for the weight gradient — 1× when only gradients flow through, 0× when nothing upstream trains;
     that multiplier + 1 is the `*_factor`; attention and the delta rule have no weights, their backward is 2× forward):
-      * Dense layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
-        `llm_matmul_params` (lm_head included; MoE experts scaled by top_k/n_experts). LLM: 2·N·Σsᵢ·factor.
+      * Decoder layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
+        `llm_matmul_params` (MoE experts scaled by top_k/n_experts). LLM: 2·N·Σsᵢ·factor.
+      * lm_head: 2·V·H forward per labelled row (`lm_head_params` = V·H): the loss multiplies only the rows that
+        have a label (training/loss.py), so the others cost nothing and count nothing. A tied lm_head (Qwen2.5-VL-3B,
+        Qwen3-VL-2B) is the embedding table, whose lookup is free, but its matmul runs: it counts the same.
+        2·V·H·labels·factor.
       * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair over the
         s² pairs of a sample of length s, so forward = 4·H·d·s² — per document (Σ sᵢ², never T²), because packed
         samples do not attend to each other. Counted as a full square like verl and MegatronLM's formulas (the
@@ -180,6 +189,7 @@ def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids:
     tokens = sum(sample_lengths)
     document_pairs = sum(s * s for s in sample_lengths)
     flops = 2.0 * p.llm_matmul_params * tokens * p.llm_factor
+    flops += 2.0 * p.lm_head_params * label_tokens * p.llm_factor
     flops += 4.0 * p.llm_attn_width * document_pairs * p.llm_attn_layers * ATTENTION_TRAIN_FACTOR
     flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * ATTENTION_TRAIN_FACTOR
 
@@ -300,6 +310,12 @@ class TimedTotals:
         )
 
 
+def pack_label_tokens(batch: dict) -> int:
+    """The labelled positions of a host batch's whole pack (a context-parallel shard counts only its own in
+    `num_label_tokens` and keeps the pack's in `cp_pack_label_tokens`)."""
+    return batch.get("cp_pack_label_tokens", batch["num_label_tokens"])
+
+
 def image_grids(batch: dict) -> list[tuple[int, int, int]]:
     """(t, h, w) of every image and video of a host batch (the collator's tensors: no device sync)."""
     grids = [batch.get("image_grid_thw"), batch.get("video_grid_thw")]
@@ -367,7 +383,7 @@ class MetricsLogger:
         for batch in host_batches:
             if batch.get("context_rank", 0):  # a pack split over a context group is counted once, by its rank 0
                 continue
-            flops = pack_flops(self.flop_profile, batch["sample_lengths"], image_grids(batch))
+            flops = pack_flops(self.flop_profile, batch["sample_lengths"], image_grids(batch), pack_label_tokens(batch))
             step_counts.add_batch(batch, self._budget(batch), flops)
             self.counts.add_batch(batch, self._budget(batch), flops)
             if self.timed_clock.running:

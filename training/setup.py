@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import context_parallel, distributed, master_weights, metrics, optim, parts, step, vision_plan
+from training import context_parallel, defaults, distributed, master_weights, metrics, optim, parts, step, vision_plan
 from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
@@ -71,7 +71,8 @@ def vision_alignment(accelerator: Accelerator) -> step.VisionAlignment:
 
 
 def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
-    """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible.
+    """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible; its `auto`
+    settings are resolved for this launch first (training/defaults.py).
 
     The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing and gradient
     checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
@@ -81,6 +82,7 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     `parallel.context` = CP > 1, the loaders deal packs by data-parallel rank (rank // CP) and shard each pack over
     the CP ranks of a context group (training/context_parallel.py).
     """
+    cfg = defaults.resolve(cfg, accelerator)
     keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)
     cp = context_parallel.layout(accelerator.process_index, accelerator.num_processes, cfg.parallel.context)
     set_seed(cfg.train.seed)

@@ -61,12 +61,23 @@ def _tensor_sum(value: Any) -> torch.Tensor | None:
     return None
 
 
+def labelled_rows(batch: dict) -> torch.Tensor:
+    """The batch's `label_rows` (data/collate.py): long (n,), the rows of the flattened hidden states that have a
+    label. ValueError for a batch made without them (counting them here would read the device)."""
+    rows = batch.get("label_rows")
+    if rows is None:
+        raise ValueError("the batch has no label_rows: build it with data/collate.py (label_rows(shift_labels)).")
+    return rows
+
+
 class TrainModule(nn.Module):
     """HF model + summed cross-entropy in one forward.
 
     forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), from the base model's last hidden states
     (1, T, H) (or (B, S, H) padded), the lm_head weight and `shift_labels`, by `linear_cross_entropy` (no HF
-    logits, no HF loss). The caller divides by the global label count.
+    logits, no HF loss) over the labelled rows only (`label_rows`, planned on the host): a row without a label adds
+    nothing to the loss and gets a zero gradient either way, so the lm_head multiplies just those rows (on the
+    built-in data ~15% of a pack). The caller divides by the global label count.
 
     The base model (`model.model`) gets the keywords the HF *ForConditionalGeneration.forward would pass it, and
     the six families' forward is only `lm_head(hidden_states)` on top (no bias, no logit scaling or softcapping).
@@ -134,7 +145,8 @@ class TrainModule(nn.Module):
         with record_function(PHASE + "loss"):
             # Read here, not before: under FSDP2 the root unit's parameters are the unsharded ones only inside forward.
             weight = self.model.lm_head.weight
-            loss_sum = linear_cross_entropy(hidden.flatten(0, 1), weight, batch["shift_labels"].flatten())
+            labels = batch["shift_labels"].flatten()
+            loss_sum = linear_cross_entropy(hidden.flatten(0, 1), weight, labels, rows=labelled_rows(batch))
         return loss_sum + 0.0 * sum(dummies) if dummies else loss_sum
 
 

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from data.collate import label_rows
 from data.positions import takes_second_per_grid_ts
 from data.processing import IGNORE_INDEX
 from data.video import uses_timestamps
@@ -184,10 +185,12 @@ def pack_samples(model: torch.nn.Module, samples: list[Sample]) -> dict:
     def videos(name: str):
         return torch.cat([getattr(s, name) for s in with_videos]) if with_videos else None
 
+    shift_labels = torch.cat([s.shift_labels for s in samples])[None]
     return {
         "input_ids": torch.cat([s.input_ids for s in samples])[None],
         "position_ids": torch.cat([sample_position_ids(model, s) for s in samples], dim=2),
-        "shift_labels": torch.cat([s.shift_labels for s in samples])[None],
+        "shift_labels": shift_labels,
+        "label_rows": label_rows(shift_labels.cpu()).to(device),
         "mm_token_type_ids": torch.cat([s.mm_token_type_ids for s in samples])[None],
         "pixel_values": torch.cat([s.pixel_values for s in with_images]) if with_images else None,
         "image_grid_thw": torch.cat([s.image_grid_thw for s in with_images]) if with_images else None,

@@ -30,6 +30,7 @@ SOURCE_GLOBS = (
     "scripts/*.py",
     "scripts/*.sh",
     "recipes/**/*.yaml",
+    "recipes/models/*.json",
     "requirements*.txt",
 )
 # Distributions whose versions a result records (None where not installed)
