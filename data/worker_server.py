@@ -8,9 +8,10 @@ it forks any.
   torch's worker watchdog only checks that its parent lives (and misses a parent gone before the worker started),
   while the workers keep the server's liveness pipe open: after a crash or a kill of the training process, both
   would otherwise stay, holding memory.
-- The server and every worker ignore SIGTERM and SIGINT. Schedulers signal every process of a job (SLURM), and
-  launchers signal each rank's whole process group (torch's elastic agent): the training process then finishes its
-  step and saves (training/preemption.py), which needs its loaders' workers alive; they end with it anyway.
+- The server ignores SIGTERM and SIGINT, and so does every worker (`data.pipeline.ignore_stop_signals`, as torch's
+  worker loop installs its own SIGTERM handler). Schedulers signal every process of a job (SLURM), and launchers
+  signal each rank's whole process group (torch's elastic agent): the training process then finishes its step and
+  saves (training/preemption.py), which needs its loaders' workers alive; they end with it anyway.
 - It imports the pipeline, so each worker starts with torch, transformers and datasets loaded and only unpickles its
   epoch.
 """

@@ -102,7 +102,7 @@ class RunLock:
 
     def acquire(self) -> None:
         """Take the lock or raise RunLockError naming the holder; log a takeover of a dead holder's lock."""
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd, created = self._open()
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -112,6 +112,8 @@ class RunLock:
             os.close(fd)
             if error.errno not in NO_FLOCK:
                 raise
+            if created:  # without flock the file's existence is the lock: this probe must not hold it
+                self.path.unlink()
             log.warning(
                 "%s: this filesystem has no flock (%s); the lock is the file itself, with a heartbeat",
                 self.path,
@@ -133,6 +135,14 @@ class RunLock:
             if previous:
                 log.warning("took over the run-directory lock of %s, which no longer runs", _describe(previous))
         self._start_heartbeat()
+
+    def _open(self) -> tuple[int, bool]:
+        """The lock file open for writing, and whether this call created it."""
+        while True:
+            with contextlib.suppress(FileExistsError):
+                return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            with contextlib.suppress(FileNotFoundError):  # deleted in between by a holder without flock
+                return os.open(self.path, os.O_RDWR), False
 
     def _refusal(self, holder: dict | None) -> str:
         return (
