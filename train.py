@@ -91,8 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         with run_lock.hold(run_dir, accelerator.is_main_process, host) as lock:
             if lock is not None:  # the main process: it alone writes the run directory's own files
                 run_files.clear_preempted(run_dir)
-                signals.on_forced_exit(lambda reason: record_stop(run_dir, signals.signal_name, None, reason))
-                signals.on_forced_exit(lambda reason: lock.release())
+                signals.on_forced_exit(lambda reason: forced_exit(lock, run_dir, signals.signal_name, reason))
             try:
                 return train_run(args, cfg, accelerator, host, run_dir, signals)
             except preemption.Preempted as stop:
@@ -101,6 +100,14 @@ def main(argv: list[str] | None = None) -> dict:
                     record_stop(run_dir, stop.signal_name, stop.step, "stopped after a complete step")
                 distributed.finish(accelerator)
                 raise
+
+
+def forced_exit(lock: run_lock.RunLock, run_dir: Path, signal_name: str | None, reason: str) -> None:
+    """Before the watcher ends the process (training/preemption.py): preempted.json and the lock's release, while the
+    directory is still this run's."""
+    if lock.held:
+        record_stop(run_dir, signal_name, None, reason)
+    lock.release()
 
 
 def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason: str) -> None:

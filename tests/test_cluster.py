@@ -489,6 +489,53 @@ def test_loader_workers_and_their_server_outlive_a_stop_signal():
     assert all(process.is_running() for process in processes)
 
 
+LAUNCHED = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+{patch}
+import train
+if __name__ == "__main__":
+    sys.exit(train.cli())
+"""
+
+
+def launch_two(script: Path, run: Path, data_cache: Path, *flags: str) -> tuple[int | None, str]:
+    """`script` (train.py or a patched copy) under `accelerate launch` with two CPU processes (gloo), on the tiny
+    4-step run; (the launcher's exit status, its log)."""
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "recipes/accelerate/ddp.yaml"]
+    command += ["--num_processes=2", f"--main_process_port={free_port()}", str(script), "--config", TINY]
+    command += [*run_args(run, data_cache, INLINE), *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    log = run.parent / f"{run.name}-{len(list(run.parent.glob(run.name + '-*.log')))}.log"
+    outcome = run_logged(command, log, 600, env=env, new_session=True)
+    return outcome.code, log.read_text()
+
+
+@pytest.mark.slow
+def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resume_is_exact(data_cache, tmp_path):
+    """SIGTERM to `accelerate launch` during step 2 (as Kubernetes or a user stops a job): the launcher forwards
+    it to both ranks, which agree on the step to stop after, save one complete checkpoint of it and exit 75;
+    preempted.json names it; the launcher itself exits 1 (it reports any rank's non-zero status as 1). Two
+    processes relaunched with --resume end equal, bit for bit, to an uninterrupted two-process run."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    code, output = launch_two(ROOT / "train.py", reference, data_cache)
+    assert code == 0, output[-3000:]
+    signal_launcher = "os.kill(os.getppid(), signal.SIGTERM) if os.environ['RANK'] == '0' else None"
+    script = tmp_path / "signalled_train.py"
+    script.write_text(LAUNCHED.format(root=str(ROOT), patch=during_step(2, signal_launcher)))
+    code, output = launch_two(script, run, data_cache)
+    assert code == 1, output[-3000:]
+    stops = [line for line in output.splitlines() if "preempted: stopped by SIGTERM after step" in line]
+    assert len(stops) == 2 and len(set(stops)) == 1, output[-3000:]
+    record = json.loads((run / "preempted.json").read_text())
+    assert record["step"] in (2, 3) and record["checkpoint"] == str(checkpoint.latest_checkpoint(run))
+    assert checkpoint.latest_checkpoint(run).name == f"step_{record['step']:08d}"
+    assert [r["step"] for r in run_files.training_records(run)] == list(range(1, record["step"] + 1))
+    code, output = launch_two(ROOT / "train.py", run, data_cache, "--resume")
+    assert code == 0, output[-3000:]
+    assert_same_run(run, reference)
+
+
 SLOW_SAVE = """
 import accelerate
 from training import preemption
@@ -584,7 +631,6 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_previous_one_and_resume_f
     assert_same_run(run, uninterrupted)
 
 
-@pytest.mark.slow
 def test_an_export_that_cannot_be_written_is_redone_by_resume(uninterrupted, data_cache, tmp_path, monkeypatch):
     """A write error during the export (the processor's files, after the weights: safetensors and torch report
     a full disk as non-OSError exceptions) stops the run with one line naming the partial export and the bytes its

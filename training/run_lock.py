@@ -100,6 +100,10 @@ class RunLock:
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
+    @property
+    def held(self) -> bool:
+        return self.fd is not None
+
     def acquire(self) -> None:
         """Take the lock or raise RunLockError naming the holder; log a takeover of a dead holder's lock."""
         fd, created = self._open()
