@@ -265,4 +265,5 @@ def _write_export(hf_model, weights: dict, processor: Any, partial: Path, out_di
     _sync_tree(partial)
     shutil.rmtree(out_dir, ignore_errors=True)
     partial.rename(out_dir)
+    _fsync(out_dir.parent)  # the rename itself
     log.info("exported %s", out_dir)
