@@ -557,9 +557,9 @@ def test_a_stop_cut_short_leaves_the_previous_checkpoint_intact(uninterrupted, d
     """SIGTERM during step 3 and a save of step 3 that takes long: a second SIGTERM during the save, or the end of
     checkpoint.preempt_timeout_s, ends the process at once with status 75; the torn step-3 save is not a checkpoint,
     step 2's is intact, preempted.json says why, the lock is released, and --resume ends equal to the uninterrupted
-    run. A `kill -USR1` during the save still prints the stacks and leaves the run going."""
+    run. Before the second SIGTERM, a `kill -USR1` prints the stacks and leaves the save going."""
     run = tmp_path / "run"
-    timeout = "8" if ending == "timeout" else "300"
+    timeout = "15" if ending == "timeout" else "300"
     command = child_command(
         run,
         data_cache,
@@ -572,17 +572,18 @@ def test_a_stop_cut_short_leaves_the_previous_checkpoint_intact(uninterrupted, d
         lines.append(line)
         if line.startswith("SAVING"):
             break
-    process.send_signal(signal.SIGUSR1)
-    time.sleep(0.6)  # past REPEAT_WINDOW_S
     started = time.monotonic()
     if ending == "second signal":
+        process.send_signal(signal.SIGUSR1)
+        time.sleep(0.6)  # past REPEAT_WINDOW_S
         process.send_signal(signal.SIGTERM)
     stderr = "".join(lines) + process.communicate(timeout=120)[1]
     assert process.returncode == preemption.EXIT_STATUS, stderr[-3000:]
-    assert time.monotonic() - started < (20 if ending == "second signal" else 30)
-    assert "Thread 0x" in stderr and "_slow_save_state" in stderr
-    reason = "a second SIGTERM" if ending == "second signal" else "did not end within checkpoint.preempt_timeout_s=8 s"
-    assert f"{reason}" in stderr and "exiting now without a new checkpoint" in stderr
+    assert time.monotonic() - started < (20 if ending == "second signal" else 40)
+    if ending == "second signal":
+        assert "Thread 0x" in stderr and "_slow_save_state" in stderr
+    reason = "a second SIGTERM" if ending == "second signal" else "did not end within checkpoint.preempt_timeout_s=15 s"
+    assert reason in stderr and "exiting now without a new checkpoint" in stderr
     assert [p.name for p in checkpoint.checkpoint_dirs(run)] == ["step_00000002"]
     assert json.loads((run / "preempted.json").read_text())["checkpoint"] == str(run / "checkpoints/step_00000002")
     assert (run / "run.lock").read_text() == ""
