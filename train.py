@@ -5,6 +5,8 @@
 
 `--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (training/resume.py;
 `--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
+One run holds a run directory at a time (training/run_lock.py). SIGTERM or SIGINT stops the run after the current
+step with a checkpoint and exit status 75 (training/preemption.py); docs/cluster.md shows a requeue script.
 
 Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer
 (training/setup.py) → loop (training/loop.py; metrics in training/metrics.py) → export and summary. The run
@@ -22,7 +24,20 @@ from pathlib import Path
 
 from core.config_tree import ConfigError
 from data.formats import DataError
-from training import checkpoint, defaults, distributed, loop, metrics, optim, resume, run_files, stack_dump, tracking
+from training import (
+    checkpoint,
+    defaults,
+    distributed,
+    loop,
+    metrics,
+    optim,
+    preemption,
+    resume,
+    run_files,
+    run_lock,
+    stack_dump,
+    tracking,
+)
 from training.config import load_config
 from training.setup import build_accelerator, build_training
 
@@ -68,16 +83,52 @@ def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tu
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
-    accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
-    logging.basicConfig(level=logging.INFO if accelerator.is_main_process else logging.WARNING, format="%(message)s")
-    cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
-    run_dir = prepare_run_dir(cfg)
+    with preemption.SignalWatch(cfg.checkpoint.preempt_timeout_s) as signals:
+        accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
+        level = logging.INFO if accelerator.is_main_process else logging.WARNING
+        logging.basicConfig(level=level, format="%(message)s")
+        cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
+        host = distributed.HostCollectives(accelerator)
+        run_dir = prepare_run_dir(cfg)
+        with run_lock.hold(run_dir, accelerator.is_main_process, host) as lock:
+            if lock is not None:  # the main process: it alone writes the run directory's own files
+                run_files.clear_preempted(run_dir)
+                signals.on_forced_exit(lambda reason: forced_exit(lock, run_dir, signals.signal_name, reason))
+            try:
+                return train_run(args, cfg, accelerator, host, run_dir, signals)
+            except preemption.Preempted as stop:
+                stop.signal_name = signals.signal_name
+                if accelerator.is_main_process:
+                    record_stop(run_dir, stop.signal_name, stop.step, "stopped after a complete step")
+                distributed.finish(accelerator)
+                raise
+
+
+def forced_exit(lock: run_lock.RunLock, run_dir: Path, signal_name: str | None, reason: str) -> None:
+    """Before the watcher ends the process (training/preemption.py): preempted.json and the lock's release, while the
+    directory is still this run's."""
+    if lock.held:
+        record_stop(run_dir, signal_name, None, reason)
+    lock.release()
+
+
+def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason: str) -> None:
+    """preempted.json: how this launch stopped on a signal, and the checkpoint a relaunch resumes from."""
+    latest = checkpoint.latest_checkpoint(run_dir)
+    record = {"signal": signal_name, "reason": reason, "step": step, "checkpoint": str(latest) if latest else None}
+    run_files.write_preempted(run_dir, {**record, "exit_status": preemption.EXIT_STATUS})
+
+
+def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.SignalWatch) -> dict:
+    """The run in a locked run directory: resume → loop → export → summary; returns the summary."""
     resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
     changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)
     setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
 
-    checkpointer = checkpoint.Checkpointer(accelerator, run_dir, cfg.checkpoint)
+    checkpointer = checkpoint.Checkpointer(
+        accelerator, run_dir, cfg.checkpoint, host, lambda: checkpoint.state_nbytes(setup.module, setup.optimizer)
+    )
     start_step, timed = 0, metrics.TimedTotals()
     if resume_from is not None:
         start_step, timed = restore(setup, checkpointer, resume_from)
@@ -92,9 +143,11 @@ def main(argv: list[str] | None = None) -> dict:
         return run_files.read_summary(run_dir)
     trains = start_step < cfg.train.max_steps
     if trains:
-        timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed)
+        # a signal on any rank stops every rank after the same step
+        stop = lambda: host.any(signals.requested)
+        timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed, stop)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
-        checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype)
+        checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype, host)
     summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )
@@ -104,15 +157,19 @@ def main(argv: list[str] | None = None) -> dict:
 
 def cli(argv: list[str] | None = None) -> int | str:
     """main() with the user's mistakes as one line for sys.exit (a non-zero status) instead of a traceback: the
-    message says how to fix them, and a traceback would only bury it."""
+    message says how to fix them, and a traceback would only bury it. A stop on SIGTERM/SIGINT prints its line and
+    returns preemption.EXIT_STATUS (75), which a requeue script tests."""
     try:
         main(argv)
     except ConfigError as error:
         return f"config error: {error}"
     except DataError as error:
         return f"data error: {error}"
-    except (loop.NonFiniteError, distributed.LaunchError) as error:
+    except (loop.NonFiniteError, distributed.LaunchError, run_lock.RunLockError, checkpoint.WriteError) as error:
         return f"error: {error}"
+    except preemption.Preempted as stop:
+        print(f"preempted: {stop}", file=sys.stderr)
+        return preemption.EXIT_STATUS
     return 0
 
 

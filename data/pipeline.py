@@ -18,6 +18,7 @@ import logging
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import signal
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -273,6 +274,7 @@ class StepLoader:
                     num_workers=self.num_workers,
                     prefetch_factor=4,
                     multiprocessing_context=worker_start_context(),
+                    worker_init_fn=ignore_stop_signals,
                 )
             yielded = self.step_in_epoch
             for batch in remaining:
@@ -361,6 +363,15 @@ def worker_start_context() -> multiprocessing.context.BaseContext:
     context.set_forkserver_preload(["data.worker_server"])
     multiprocessing.forkserver.ensure_running()
     return context
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A loader worker ignores SIGTERM and SIGINT (torch's worker loop installs a SIGTERM handler that ends it):
+    a scheduler signals every process of a job, and the training process then finishes its step, which may still
+    wait for this worker's batch, and saves (training/preemption.py). The worker ends with the training process
+    anyway (data/worker_server.py)."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 class _EpochBatches(IterableDataset):

@@ -8,6 +8,10 @@ it forks any.
   torch's worker watchdog only checks that its parent lives (and misses a parent gone before the worker started),
   while the workers keep the server's liveness pipe open: after a crash or a kill of the training process, both
   would otherwise stay, holding memory.
+- The server ignores SIGTERM and SIGINT, and so does every worker (`data.pipeline.ignore_stop_signals`, as torch's
+  worker loop installs its own SIGTERM handler). Schedulers signal every process of a job (SLURM), and launchers
+  signal each rank's whole process group (torch's elastic agent): the training process then finishes its step and
+  saves (training/preemption.py), which needs its loaders' workers alive; they end with it anyway.
 - It imports the pipeline, so each worker starts with torch, transformers and datasets loaded and only unpickles its
   epoch.
 """
@@ -18,7 +22,10 @@ import os
 import signal
 import sys
 
-import data.pipeline  # noqa: F401  (loaded once in the server, for every worker)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)  # before the slow import below: a signal then must not end us
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+import data.pipeline  # noqa: E402, F401  (loaded once in the server, for every worker)
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 

@@ -123,12 +123,18 @@ class CheckpointConfig:
     export: bool = True  # save_pretrained + processor at the end
     save_final: bool = True  # a resumable checkpoint after the last step (bench-* recipes turn it off: no disk traffic)
     resume: str | None = None  # "latest" (this run's newest checkpoint, if any), a checkpoint dir, or null
+    preempt_timeout_s: float = 30.0  # on SIGTERM/SIGINT: seconds to end the step, save and exit 75 (docs/cluster.md)
 
     def validate(self) -> None:
         if self.every_steps < 0:
             raise ConfigError(f"checkpoint.every_steps must be >= 0 (0 = only at the end), got {self.every_steps}.")
         if self.keep_last < 1:
             raise ConfigError(f"checkpoint.keep_last must be >= 1, got {self.keep_last}.")
+        if not self.preempt_timeout_s > 0:
+            raise ConfigError(
+                f"checkpoint.preempt_timeout_s must be > 0 (seconds from a stop signal to the exit), got "
+                f"{self.preempt_timeout_s}."
+            )
 
 
 @dataclass

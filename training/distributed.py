@@ -1,5 +1,6 @@
 """Multi-process helpers: the Accelerator arguments train.py needs beyond mixed precision, a guard against silently
-independent processes, the collective settings every launcher of ours exports, and the end of a run.
+independent processes, the collective settings every launcher of ours exports, small host-side agreements between
+ranks (`HostCollectives`), and the end of a run.
 
 `SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: where
 containers get no multicast objects (as on the project's H200 hosts), collectives that try them fail or hang at
@@ -106,6 +107,41 @@ def check_world_size(num_processes: int, launcher_cmdline: list[str] | None = No
             f"accelerate launch asked for {requested} processes but started one (it does so with --cpu). For "
             f"{requested} processes on CPUs (gloo) run: {CPU_DDP_COMMAND.replace('N', str(requested), 1)}"
         )
+
+
+class HostCollectives:
+    """Small agreements between ranks on the host (a stop flag, an error message), over gloo with CPU tensors: they
+    never wait on the device. One process needs no collective; on CPU the default group is gloo already; under NCCL
+    a gloo group is made once. Construct it on every rank at the same point of the run (making a group is itself a
+    collective)."""
+
+    def __init__(self, accelerator):
+        import torch.distributed as dist
+
+        self.size = accelerator.num_processes
+        self.group = None
+        if self.size > 1 and dist.get_backend() != "gloo":
+            self.group = dist.new_group(backend="gloo")
+
+    def any(self, flag: bool) -> bool:
+        """Whether `flag` is true on any rank (one all-reduce of a CPU int)."""
+        if self.size == 1:
+            return flag
+        import torch.distributed as dist
+
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self.group)
+        return bool(value[0])
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value` (picklable), in rank order, on every rank."""
+        if self.size == 1:
+            return [value]
+        import torch.distributed as dist
+
+        values: list[Any] = [None] * self.size
+        dist.all_gather_object(values, value, group=self.group)
+        return values
 
 
 def finish(accelerator) -> None:

@@ -1,6 +1,6 @@
 """The training loop: optimizer steps `start_step + 1 … train.max_steps` (training/step.py), with metrics
 (training/metrics.py's MetricsLogger), evaluation and checkpoints on the way; a non-finite loss stops the run
-before anything is saved.
+before anything is saved; a stop request (training/preemption.py) ends it after the current step with a checkpoint.
 
     train.py / scripts/profile_step.py ─► Steps (prefetched batches → step.optimizer_step) ─► MetricsLogger
 """
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from data.prefetch import Prefetcher
 from training import metrics
 from training.checkpoint import Checkpointer, latest_checkpoint
 from training.config import Config, TrainConfig
+from training.preemption import Preempted
 from training.setup import TrainingSetup
 from training.step import PHASE, evaluate, optimizer_step
 
@@ -78,10 +80,17 @@ def train(
     checkpointer: Checkpointer,
     start_step: int = 0,
     timed_before: metrics.TimedTotals | None = None,
+    stop_requested: Callable[[], bool] = lambda: False,
 ) -> metrics.TimedTotals:
     """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way.
     Returns this rank's timed totals of the whole run: `timed_before` (restored from the checkpoint) plus this
-    launch's."""
+    launch's.
+
+    `stop_requested()` is asked before the first step and after every step but the last, on every rank at the same
+    point (it may be a collective: every rank must get the same answer). When it is true, the step ends as any
+    other (logged, evaluated if due), a checkpoint of it is saved, and Preempted is raised."""
+    if stop_requested():
+        raise Preempted(start_step, None)
     tcfg, run_dir, eval_loader = cfg.train, checkpointer.run_dir, setup.eval_loader
     eval_start = eval_loader.state_dict() if eval_loader is not None else None
     logger = metrics.MetricsLogger(
@@ -89,6 +98,7 @@ def train(
     )
     steps = Steps(accelerator, setup, tcfg)
     first_nonfinite_step = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0 = none yet; no sync
+    last_saved: Path | None = None
     for step in range(start_step + 1, tcfg.max_steps + 1):
         started = time.perf_counter()
         result = steps.run()
@@ -97,8 +107,10 @@ def train(
         logger.record_step(step, result.lr, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
         nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
         first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
+        stopping = step < tcfg.max_steps and stop_requested()  # the last step ends the run as usual
         do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
-        do_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0 and step < tcfg.max_steps
+        periodic_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+        do_save = stopping or (periodic_save and step < tcfg.max_steps)
         # An evaluation or a checkpoint also ends the log interval: metrics.jsonl (and wandb, which drops a step
         # older than one it has seen) stays in step order, and a resume from the checkpoint finds every earlier step.
         if logger.due(step) or do_eval or do_save:
@@ -110,7 +122,11 @@ def train(
                     eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
                     logger.emit({"step": step, "eval_loss": eval_loss})
                 if do_save:  # the check above ran for this step: no NaN weights are saved
-                    checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
+                    last_saved = checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
+        if stopping:
+            logger.close()
+            steps.close()
+            raise Preempted(step, last_saved)
     timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
     steps.close()
     if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:

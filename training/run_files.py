@@ -1,4 +1,5 @@
-"""The run directory's files, written and read here only: metrics.jsonl, summary.json and config.yaml.
+"""The run directory's files, written and read here only: metrics.jsonl, summary.json, config.yaml and
+preempted.json (run.lock is training/run_lock.py's).
 
     <train.output_dir>/
       config.yaml      the resolved recipe of the first launch (training/resume.py adds config.resume-step<N>.yaml)
@@ -6,6 +7,9 @@
                        or an evaluation {"step", "eval_loss"}, or with train.compile the launch's first step
                        {"step", "first_step_s", "compile_s"}; strict JSON (non-finite floats are null)
       summary.json     the whole run: losses, eval loss, mean rates over the timed steps, paths (`metrics.summarize`)
+      run.lock         the live run's host and pid (empty when none runs): one trainer per directory
+      preempted.json   present while the last launch stopped on a signal (SIGTERM, SIGINT) before the end: the
+                       signal, the step, the checkpoint to resume from; gone once a launch starts again
       checkpoints/, final/, wandb/
 
 Writes are atomic where a kill could tear them (summary.json, metrics.jsonl truncation on resume).
@@ -21,6 +25,8 @@ from pathlib import Path
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 CONFIG_FILE = "config.yaml"
+LOCK_FILE = "run.lock"
+PREEMPTED_FILE = "preempted.json"
 
 
 def write_atomically(path: Path, text: str) -> None:
@@ -86,3 +92,13 @@ def clear_results(run_dir: Path) -> None:
     """Remove metrics.jsonl and summary.json, so that a rerun into the same directory never reads old numbers."""
     for name in (METRICS_FILE, SUMMARY_FILE):
         (run_dir / name).unlink(missing_ok=True)
+
+
+def write_preempted(run_dir: Path, record: dict) -> None:
+    """Record that this launch stopped on a signal (a requeue script tests for the file: launchers such as
+    `accelerate launch` report their ranks' exit status as 1)."""
+    write_atomically(run_dir / PREEMPTED_FILE, json.dumps(record, indent=2) + "\n")
+
+
+def clear_preempted(run_dir: Path) -> None:
+    (run_dir / PREEMPTED_FILE).unlink(missing_ok=True)
