@@ -1,0 +1,157 @@
+"""The data pipeline at scale: per-record metadata in numpy, plans equal to the frozen ones, the record generator."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+
+import pytest
+from datasets import Dataset, load_from_disk
+
+from core.families import hf_config
+from data.config import DataConfig, PackingConfig
+from data.pipeline import DataStats, StepLoader, _in_memory, build_data, load_processor, step_vision_kinds
+from data.processing import PROCESSED_FEATURES
+from scripts.make_llava_records import write_llava_records
+from training.config import load_config
+
+SKIPS = ("missing_image", "corrupt_image", "unknown_format", "empty_text")
+PLANNED_ROWS = 3000
+
+
+class SyntheticRows:
+    """Stands in for SampleProcessor: row `index` is a processed sample drawn from a generator seeded by the index
+    (a skip, a text, image or video sample of 20-1100 tokens), without tokenising anything."""
+
+    def __call__(self, record: dict, index: int) -> dict:
+        rng = random.Random(index)
+        sample_id = f"row-{index}"
+        if rng.random() < 0.03:
+            reason = rng.choice(SKIPS)
+            return {**EMPTY_ROW, "sample_id": sample_id, "skip_reason": reason, "skip_detail": f"detail {index}"}
+        images = [[1, rng.choice((8, 16, 24)), rng.choice((8, 16, 24))] for _ in range(rng.choice((0, 0, 1, 1, 1, 2)))]
+        videos = [[rng.randint(1, 4), 8, 12]] if rng.random() < 0.1 else []
+        length = 20 + int(1080 * rng.random() ** 3)  # mostly short: packs of several samples
+        return {
+            **EMPTY_ROW,
+            "sample_id": sample_id,
+            "input_ids": [7] * length,
+            "length": length,
+            "image_grid_thw": images,
+            "video_grid_thw": videos,
+            "num_patches": sum(t * h * w for t, h, w in images + videos),
+        }
+
+
+EMPTY_ROW = {name: [] for name in PROCESSED_FEATURES} | {
+    "sample_id": "",
+    "skip_reason": "",
+    "skip_detail": "",
+    "length": 0,
+    "num_patches": 0,
+}
+
+
+class CapturedLog(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def synthetic_plan_source(tmp_path, rows: int = PLANNED_ROWS):
+    """(records, processor): `rows` records on disk (memory-mapped, as a cached dataset is) and SyntheticRows."""
+    Dataset.from_dict({"record": list(range(rows))}).save_to_disk(str(tmp_path / "records"))
+    return load_from_disk(str(tmp_path / "records")), SyntheticRows()
+
+
+def plan_summary(tmp_path, on_error: str = "skip") -> dict:
+    """Everything the plan of SyntheticRows decides, under several layouts: per epoch and layout each step's packs
+    (row keys, in order), their vision kinds and the leftover; the eval plan; the data stats."""
+    records, processor = synthetic_plan_source(tmp_path)
+    data_cfg = DataConfig(seed=3, eval_fraction=0.02, on_error=on_error)
+    stats = DataStats()
+    logged = CapturedLog()
+    logging.getLogger("data.pipeline").addHandler(logged)
+    try:
+        train_items, eval_items, _ = _in_memory(data_cfg, 1024, records, processor, "synthetic-plan", stats)
+    finally:
+        logging.getLogger("data.pipeline").removeHandler(logged)
+    layouts = {
+        "one rank": (PackingConfig(max_tokens=1024, buffer_size=64), 1, 1),
+        "two ranks, accumulating": (PackingConfig(max_tokens=1024, buffer_size=48, balance_window_steps=2), 2, 2),
+        "three ranks, padded": (PackingConfig(mode="padded", padded_batch_size=5), 3, 1),
+    }
+    summary = {"stats": [stats.summary(), list(stats.skip_examples.items()), logged.messages]}
+    for name, (packing, world_size, accumulation) in layouts.items():
+        loader = StepLoader(
+            train_items, list, list, packing, 0, world_size, data_cfg.seed, None, grad_accum_steps=accumulation
+        )
+        for epoch in (0, 1):
+            steps = [[[item.key for item in pack.items] for pack in step] for step in loader.steps(epoch)]
+            kinds = [step_vision_kinds(step) for step in loader.steps(epoch)]
+            summary[f"{name}, epoch {epoch}"] = [steps, kinds, vars(loader.leftover(epoch))]
+    evaluation = StepLoader(eval_items, list, list, layouts["one rank"][0], 0, 1, data_cfg.seed, 1)
+    summary["eval"] = [[[item.key for item in pack.items] for pack in step] for step in evaluation.steps(0)]
+    return summary
+
+
+# Computed by plan_summary with the pipeline that built a PackItem per row from Python row dicts.
+FROZEN_PLAN_DIGESTS = {
+    "stats": "6481f67c1ab5e32b282c4201c9f628aa5453961151d23d22c55d0826a2b2c9da",
+    "one rank, epoch 0": "09844a442c386677e362f6288457cdcc0a7c83f9b938b41eb8eb90826a6537b1",
+    "one rank, epoch 1": "a9a8b8d551a2bf80725f276026cd161dd7d80aec12c8f8da818b79b6fb0ccaf5",
+    "two ranks, accumulating, epoch 0": "2f1408999070afd4a2a20e9320097ed24ecbd63a95407c1f5721e2aa87483f27",
+    "two ranks, accumulating, epoch 1": "9993b2d7c191943d819ab3b195e0fbc5d2086a14df34b10345a47c917b2f05c7",
+    "three ranks, padded, epoch 0": "c9f058eec47fc14d3d7948d875d89b073a92ff9357af82df90f12b745eb54998",
+    "three ranks, padded, epoch 1": "fcf66adc49855f479d92979fdda99a323fe8f0b79eacd081950de9b27a13d164",
+    "eval": "fc1667b092d7a95d4f9fbea24fab8c69bb7ab9f3343642c2c66902b5dc2f15b7",
+}
+
+
+def digest(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def test_plans_equal_the_frozen_plans(tmp_path):
+    """The packs, their order per step and rank, the vision kinds, the leftovers, the eval plan and the data stats
+    of 3000 synthetic rows equal what the pipeline planned before its per-record metadata moved into numpy (frozen
+    digests): a run resumed from an older checkpoint sees the same batches."""
+    summary = plan_summary(tmp_path)
+    assert summary["stats"][0] == (
+        "records=3000 kept_train=2801 kept_eval=57 skipped=142 (unknown_format=17, missing_image=23, "
+        "corrupt_image=21, video_too_long=7, empty_text=22, too_long=52)"
+    )
+    assert {key: digest(value) for key, value in summary.items()} == FROZEN_PLAN_DIGESTS
+
+
+def test_on_error_raise_names_the_first_bad_row(tmp_path):
+    """With data.on_error=raise the plan stops at the first row, in row order, that is skipped or too long, with the
+    error the pipeline always gave for it."""
+    with pytest.raises(ValueError) as raised:
+        plan_summary(tmp_path, on_error="raise")
+    assert str(raised.value) == (
+        "sample row-12: too_long: 1089 tokens > packing.max_tokens 1024 (data.on_error=skip skips it)"
+    )
+
+
+def test_generated_records_are_reproducible_varied_and_trainable(tmp_path):
+    """scripts/make_llava_records.py writes the same files for the same arguments; its records share the image
+    pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely varied length."""
+    path = write_llava_records(tmp_path / "a", 300, images=8, seed=1)
+    assert write_llava_records(tmp_path / "b", 300, images=8, seed=1).read_bytes() == path.read_bytes()
+    assert sorted(p.name for p in (tmp_path / "a" / "images").iterdir()) == [f"pool_{i:05d}.png" for i in range(8)]
+    records = [json.loads(line) for line in path.open()]
+    images = [record.get("image", []) for record in records]
+    assert len(records) == 300 and {len(i) if isinstance(i, list) else int(bool(i)) for i in images} == {0, 1, 2}
+    assert {len(record["conversations"]) // 2 for record in records} == {1, 2, 3, 4}
+    overrides = [f"data.path={path}", "data.eval_fraction=0", "data.num_workers=0", f"data.cache_dir={tmp_path}"]
+    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", overrides)
+    train, _, stats = build_data(cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), hf_config(cfg.model))
+    assert stats.kept_train + stats.skipped["too_long"] == 300 and stats.kept_train > 290
+    lengths = [item.length for item in train.items(0)]
+    assert min(lengths) < 100 and max(lengths) > 600
