@@ -12,7 +12,15 @@ from datasets import Dataset, load_from_disk
 
 from core.families import hf_config
 from data.config import DataConfig, PackingConfig
-from data.pipeline import DataStats, StepLoader, _in_memory, build_data, load_processor, step_vision_kinds
+from data.pipeline import (
+    DataStats,
+    StepLoader,
+    _in_memory,
+    _processed,
+    build_data,
+    load_processor,
+    step_vision_kinds,
+)
 from data.processing import PROCESSED_FEATURES
 from scripts.make_llava_records import write_llava_records
 from training.config import load_config
@@ -78,7 +86,8 @@ def plan_summary(tmp_path, on_error: str = "skip") -> dict:
     logged = CapturedLog()
     logging.getLogger("data.pipeline").addHandler(logged)
     try:
-        train_items, eval_items, _ = _in_memory(data_cfg, 1024, records, processor, "synthetic-plan", stats)
+        processed = _processed(records, processor, "synthetic-plan", num_proc=1)
+        train_items, eval_items, _ = _in_memory(data_cfg, 1024, processed, stats)
     finally:
         logging.getLogger("data.pipeline").removeHandler(logged)
     layouts = {
