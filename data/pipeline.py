@@ -221,6 +221,8 @@ class StepLoader:
                 )
             yielded = self.step_in_epoch
             for batch in remaining:
+                if isinstance(batch, WorkerDataError):
+                    raise DataError(batch.message)
                 self.step_in_epoch += 1
                 yield batch
             if self.epochs is None and yielded == self.step_in_epoch == 0:
@@ -318,9 +320,16 @@ class _EpochBatches(IterableDataset):
         self.loader, self.epoch, self.first_step = loader, epoch, first_step
         self.leftover: Leftover | None = None
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict | WorkerDataError]:
         worker = get_worker_info()
-        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        try:
+            yield from self._batches(*((worker.id, worker.num_workers) if worker is not None else (0, 1)))
+        except DataError as error:
+            if worker is None:
+                raise
+            yield WorkerDataError(str(error))
+
+    def _batches(self, worker_id: int, num_workers: int) -> Iterator[dict]:
         leftover = Leftover()
         for index, step in enumerate(self.loader.steps(self.epoch, leftover)):
             if index < self.first_step or (index - self.first_step) % num_workers != worker_id:
@@ -331,6 +340,15 @@ class _EpochBatches(IterableDataset):
                 batch[STEP_VISION] = step_vision_kinds(step)
             yield batch
         self.leftover = leftover
+
+
+@dataclass(frozen=True)
+class WorkerDataError:
+    """A DataError raised in a loader worker, handed to the training process in place of the batch, which raises it
+    again with the same one-line message: PyTorch's own re-raise would bury the message in a multi-line traceback
+    (and train.py's `data error: ...` line with it)."""
+
+    message: str
 
 
 def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool) -> PackItem | None:
