@@ -2,23 +2,33 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import logging
+import os
 import random
+import threading
+import types
 
+import numpy as np
 import pytest
 from datasets import Dataset, load_from_disk
+from filelock import FileLock
 
+from core.config_tree import ConfigError
 from core.families import hf_config
 from data.config import DataConfig, PackingConfig
 from data.pipeline import (
+    RECORDS_PER_PROCESS,
     DataStats,
     StepLoader,
+    _building,
     _in_memory,
     _processed,
     build_data,
     load_processor,
+    processing_processes,
     step_vision_kinds,
 )
 from data.processing import PROCESSED_FEATURES
@@ -151,16 +161,118 @@ def test_on_error_raise_names_the_first_bad_row(tmp_path):
 def test_generated_records_are_reproducible_varied_and_trainable(tmp_path):
     """scripts/make_llava_records.py writes the same files for the same arguments; its records share the image
     pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely varied length."""
-    path = write_llava_records(tmp_path / "a", 300, images=8, seed=1)
-    assert write_llava_records(tmp_path / "b", 300, images=8, seed=1).read_bytes() == path.read_bytes()
+    path = write_llava_records(tmp_path / "a", 120, images=8, seed=1)
+    assert write_llava_records(tmp_path / "b", 120, images=8, seed=1).read_bytes() == path.read_bytes()
     assert sorted(p.name for p in (tmp_path / "a" / "images").iterdir()) == [f"pool_{i:05d}.png" for i in range(8)]
     records = [json.loads(line) for line in path.open()]
     images = [record.get("image", []) for record in records]
-    assert len(records) == 300 and {len(i) if isinstance(i, list) else int(bool(i)) for i in images} == {0, 1, 2}
+    assert len(records) == 120 and {len(i) if isinstance(i, list) else int(bool(i)) for i in images} == {0, 1, 2}
     assert {len(record["conversations"]) // 2 for record in records} == {1, 2, 3, 4}
     overrides = [f"data.path={path}", "data.eval_fraction=0", "data.num_workers=0", f"data.cache_dir={tmp_path}"]
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", overrides)
     train, _, stats = build_data(cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), hf_config(cfg.model))
-    assert stats.kept_train + stats.skipped["too_long"] == 300 and stats.kept_train > 290
+    assert stats.kept_train + stats.skipped["too_long"] == 120 and stats.kept_train > 110
     lengths = [item.length for item in train.items(0)]
     assert min(lengths) < 100 and max(lengths) > 600
+
+
+def large_containers(root, at_least: int) -> list[str]:
+    """Type names of the lists, tuples, dicts and sets of `at_least` or more entries reachable from `root`'s Python
+    objects (not through modules, classes or functions), e.g. a Python object per record."""
+    found, seen, stack = [], set(), [root]
+    while stack:
+        value = stack.pop()
+        if id(value) in seen or isinstance(value, type | types.ModuleType | types.FunctionType):
+            continue
+        seen.add(id(value))
+        if isinstance(value, list | tuple | dict | set) and len(value) >= at_least:
+            found.append(type(value).__name__)
+        stack.extend(gc.get_referents(value))
+    return found
+
+
+def test_the_plan_holds_numpy_arrays_not_a_python_object_per_row(tmp_path):
+    """The in-memory loaders keep their per-row metadata (lengths, patches, kinds, split indices) in numpy arrays
+    and reach no Python container with an entry per row: the cost of a million rows is a few arrays, not millions
+    of objects."""
+    records, processor = synthetic_plan_source(tmp_path)
+    processed = _processed(records, processor, "synthetic-plan", num_proc=1)
+    train_items, eval_items, fetch = _in_memory(DataConfig(), 1024, processed, DataStats())
+    rows = train_items.rows
+    assert rows is eval_items.rows
+    assert [(a.dtype, a.shape) for a in (rows.lengths, rows.patches, rows.kinds, rows.skipped)] == [
+        (np.int32, (PLANNED_ROWS,)),
+        (np.int32, (PLANNED_ROWS,)),
+        (np.bool_, (PLANNED_ROWS, 2)),
+        (np.bool_, (PLANNED_ROWS,)),
+    ]
+    assert train_items.indices.dtype == np.int64 and len(train_items.indices) > PLANNED_ROWS // 2
+    loader = StepLoader(train_items, fetch, list, PackingConfig(max_tokens=1024), 0, 1, 0, None)
+    assert large_containers(loader, at_least=PLANNED_ROWS // 10) == []
+
+
+def test_a_cached_start_reads_no_record(tmp_path, monkeypatch):
+    """A second build of the same data parses no record: neither processing nor the listing of the image files the
+    records reference runs again (both come from the cache), and each distinct file is statted once per start."""
+    from data import image_files, processing
+
+    path = write_llava_records(tmp_path / "data", 60, images=4, seed=2)
+    calls = {"process": 0, "image_files": 0, "stat": []}
+    process, listing = processing.SampleProcessor.process, processing.SampleProcessor.image_files
+    file_state = image_files._file_state
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(processing.SampleProcessor, "process", counted("process", process))
+    monkeypatch.setattr(processing.SampleProcessor, "image_files", counted("image_files", listing))
+    monkeypatch.setattr(image_files, "_file_state", lambda path: calls["stat"].append(path) or file_state(path))
+    overrides = [f"data.path={path}", "data.num_workers=0", f"data.cache_dir={tmp_path / 'cache'}"]
+    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", overrides)
+    processor, model_config = load_processor(cfg.model, cfg.data), hf_config(cfg.model)
+    first = build_data(cfg.data, cfg.packing, processor, model_config)[2]
+    assert (calls["process"], calls["image_files"]) == (60, 60) and first.kept_train > 0
+    calls.update(process=0, image_files=0, stat=[])
+    cached = build_data(cfg.data, cfg.packing, processor, model_config)[2]
+    assert (calls["process"], calls["image_files"]) == (0, 0) and cached == first
+    assert sorted(calls["stat"]) == sorted(str(p).encode() for p in (tmp_path / "data" / "images").iterdir())
+
+
+def test_num_proc_defaults_to_the_cores_this_process_may_use(monkeypatch):
+    """data.num_proc: null (the default) processes on every core of this process's CPU affinity, one process per
+    RECORDS_PER_PROCESS records at most (fewer records and a process costs more than it saves); a number is used as
+    given; 0 is a config error."""
+    assert DataConfig().num_proc is None
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3, 4, 5})
+    assert processing_processes(None, 1_000_000) == 6
+    assert processing_processes(None, 3 * RECORDS_PER_PROCESS) == 3
+    assert processing_processes(None, 10) == 1
+    assert processing_processes(2, 10) == 2
+    with pytest.raises(ConfigError, match=r"data\.num_proc must be >= 1 or null"):
+        load_config("recipes/smoke.yaml", ["data.num_proc=0"])
+
+
+def test_one_process_at_a_time_builds_a_source(tmp_path, caplog):
+    """While one process holds a source's build lock (another rank processing it), a second waits, says so in the
+    log, and goes on once the first is done (it then finds the cache the first wrote)."""
+    held = FileLock(tmp_path / "locks" / "processing-source.lock")
+    (tmp_path / "locks").mkdir()
+    held.acquire()
+    entered = threading.Event()
+
+    def build():
+        with _building(str(tmp_path), "source"):
+            entered.set()
+
+    with caplog.at_level(logging.INFO, logger="data.pipeline"):
+        waiter = threading.Thread(target=build)
+        waiter.start()
+        assert not entered.wait(0.5)
+        held.release()
+        waiter.join(10)
+    assert entered.is_set()
+    assert "waiting for another process to finish processing this data" in caplog.text
