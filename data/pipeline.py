@@ -58,7 +58,7 @@ PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cac
 # Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 ROW_INDEX_COLUMN = "__row_index__"
-RECORDS_PER_PROCESS = 1000  # fewer records per process and starting the process costs more than it saves
+RECORDS_PER_PROCESS = 256  # with fewer records per process, starting the process costs about what it saves
 ITEMS_PER_READ = 4096  # samples whose metadata the plan reads from the numpy arrays at once
 
 

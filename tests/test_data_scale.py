@@ -8,8 +8,11 @@ import json
 import logging
 import os
 import random
+import subprocess
+import sys
 import threading
 import types
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -34,6 +37,8 @@ from data.pipeline import (
 from data.processing import PROCESSED_FEATURES
 from scripts.make_llava_records import write_llava_records
 from training.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SKIPS = ("missing_image", "corrupt_image", "unknown_format", "empty_text")
 PLANNED_ROWS = 3000
@@ -276,3 +281,37 @@ def test_one_process_at_a_time_builds_a_source(tmp_path, caplog):
         waiter.join(10)
     assert entered.is_set()
     assert "waiting for another process to finish processing this data" in caplog.text
+
+
+MEMORY_PROBE = """
+import resource, sys
+from core.families import hf_config
+from data.pipeline import build_data, load_processor
+from scripts.inspect_data import epoch_totals
+from training.config import load_config
+
+if __name__ == "__main__":
+    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", sys.argv[1:])
+    train, _, _ = build_data(cfg.data, cfg.packing, load_processor(cfg.model, cfg.data), hf_config(cfg.model))
+    assert epoch_totals(train)["packs"] > 0  # inspect_data's walk over the epoch
+    batches = iter(train)
+    for _ in range(3):
+        next(batches)
+    train.leftover(1)  # the loader's walk over a whole epoch's plan
+    print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+"""
+
+
+@pytest.mark.slow
+def test_memory_stays_flat_with_the_record_count(tmp_path):
+    """A cached start's peak RSS, with inspect_data's walk over an epoch, a few training batches and the plan of a
+    whole epoch, grows by less than 1 KiB per record from 2,000 to 20,000 records (Python objects per record would
+    cost several KiB each)."""
+    peaks = {}
+    for records in (2_000, 20_000):
+        path = write_llava_records(tmp_path / f"data-{records}", records, images=16)
+        overrides = [f"data.path={path}", f"data.cache_dir={tmp_path / 'cache'}", "data.num_workers=0"]
+        command = [sys.executable, "-c", MEMORY_PROBE, *overrides]
+        subprocess.run(command, cwd=ROOT, check=True, capture_output=True)  # the first build
+        peaks[records] = int(subprocess.run(command, cwd=ROOT, check=True, capture_output=True, text=True).stdout)
+    assert (peaks[20_000] - peaks[2_000]) / 18_000 < 1024, peaks
