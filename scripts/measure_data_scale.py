@@ -13,6 +13,11 @@ runs on it: the load average before and after each is recorded):
 For each: wall seconds, the build time the command logs, and peak memory sampled every SAMPLE_S: the main
 process's RSS (what `/usr/bin/time -v` reports) and the whole process tree's PSS (loader workers and their server
 included, shared pages counted once).
+
+`--repeat R`: a count above R is measured on R's records repeated (the JSONL's lines over and over), whose
+processed cache `prebuild` writes by processing each distinct record once (its rows are exactly those of a full
+first build, which processes every line alike), so a machine too busy for a full first build still measures the
+cached start and memory at that size; its first build is then not measured (null).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from pathlib import Path
 
 import psutil
 
+from data.processing import RECORD_JSON_COLUMN, SampleProcessor
 from scripts.make_llava_records import write_llava_records
 from verification.provenance import provenance
 
@@ -84,11 +90,49 @@ def _logged_seconds(pattern: re.Pattern, log: Path) -> float | None:
     return float(match.group(1)) if match else None
 
 
-def measure(records: int, work: Path, extra: list[str]) -> dict:
-    """The three commands of the module docstring for `records` records; their measurements and command lines."""
-    data = work / f"llava-{records}"
+class _ProcessedOnce(SampleProcessor):
+    """A SampleProcessor that processes each distinct JSON line once and returns the same row for its repeats."""
+
+    def __call__(self, record, index: int) -> dict:
+        rows = self.__dict__.setdefault("_rows", {})
+        key = record.get(RECORD_JSON_COLUMN)
+        if key not in rows:
+            rows[key] = super().__call__(record, index)
+        return rows[key]
+
+
+def prebuild(overrides: list[str]) -> None:
+    """Write the processed cache of the recipe with `overrides` as build_data would, each distinct record processed
+    once (one process: the rows of the distinct records are held in memory)."""
+    from core.families import hf_config
+    from data import pipeline
+    from training.config import load_config
+
+    cfg = load_config(RECIPE, [*overrides, "data.num_proc=1"])
+    pipeline.SampleProcessor = _ProcessedOnce
+    pipeline.build_data(cfg.data, cfg.packing, pipeline.load_processor(cfg.model, cfg.data), hf_config(cfg.model))
+
+
+def repeated_records(records: int, source: Path, data: Path) -> None:
+    """`data`/data.jsonl: the lines of `source`/data.jsonl repeated up to `records` lines; `data`/images: source's."""
+    data.mkdir(parents=True, exist_ok=True)
+    if not (data / "images").exists():
+        (data / "images").symlink_to(source / "images")
+    lines = (source / "data.jsonl").read_text().splitlines(keepends=True)
+    with (data / "data.jsonl").open("w") as out:
+        for start in range(0, records, len(lines)):
+            out.writelines(lines[: records - start])
+
+
+def measure(records: int, work: Path, extra: list[str], repeat: int | None = None) -> dict:
+    """The three commands of the module docstring for `records` records; their measurements and command lines.
+    With `repeat` (< records): the records of `repeat` repeated, the cache prebuilt, the first build not measured."""
+    data = work / (f"llava-{repeat}-repeated-{records}" if repeat else f"llava-{records}")
     if not (data / "data.jsonl").exists():
-        write_llava_records(data, records)
+        if repeat:
+            repeated_records(records, work / f"llava-{repeat}", data)
+        else:
+            write_llava_records(data, records)
     cache = work / f"cache-{records}"
     shutil.rmtree(cache, ignore_errors=True)
     common = [f"data.path={data / 'data.jsonl'}", f"data.cache_dir={cache}", *extra]
@@ -104,12 +148,15 @@ def measure(records: int, work: Path, extra: list[str]) -> dict:
         "train.max_steps=1",
         f"train.output_dir={run_dir}",
     ]
-    result = {"records": records}
-    for name, command, pattern in (
-        ("first_build", inspect, BUILT),
-        ("cached_inspect", inspect, BUILT),
-        ("cached_train", train, READY),
-    ):
+    result = {"records": records, "repeated_from": repeat}
+    commands = [("first_build", inspect, BUILT), ("cached_inspect", inspect, BUILT), ("cached_train", train, READY)]
+    if repeat:
+        command = [sys.executable, "-c", f"import sys; from {__spec__.name} import prebuild; prebuild(sys.argv[1:])"]
+        started = time.perf_counter()
+        subprocess.run([*command, *common], cwd=ROOT, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        result["prebuild_s"] = round(time.perf_counter() - started, 1)
+        result["first_build"], commands = None, commands[1:]
+    for name, command, pattern in commands:
         log = work / f"{name}-{records}.log"
         result[name] = run_measured(command, log) | {
             "data_s": _logged_seconds(pattern, log),
@@ -124,6 +171,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--records", type=int, nargs="+", required=True, help="record counts to measure")
     parser.add_argument("--work", required=True, help="directory for the data, caches, runs and logs")
     parser.add_argument("--out", required=True, help="result JSON")
+    parser.add_argument("--repeat", type=int, help="measure larger counts on this count's records repeated")
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every command")
     args = parser.parse_args(argv)
     work = Path(args.work).resolve()
@@ -135,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     }
     result = {"provenance": provenance(), "machine": machine, "recipe": RECIPE, "runs": []}
     for records in args.records:
-        result["runs"].append(measure(records, work, args.overrides))
+        repeat = args.repeat if args.repeat is not None and records > args.repeat else None
+        result["runs"].append(measure(records, work, args.overrides, repeat))
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # what is measured so far survives a kill
     print(Path(args.out).resolve())
 
