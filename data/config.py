@@ -22,7 +22,7 @@ class DataConfig:
     video_max_frames: int = 64  # at most this many frames per video (uniformly subsampled beyond it)
     video_min_pixels: int | None = None  # per-frame resize bounds (default: data.min_pixels / the image processor's)
     video_max_pixels: int | None = None  # default: the image bound, capped at 768 LLM tokens per frame
-    num_proc: int = 1  # datasets.map workers
+    num_proc: int | None = None  # processes for the first processing of the data; None: every core this process may use
     # processes collating batches (image decode + image processor) ahead of the step; 0 = inline; null = sized from
     # the machine: min(8, cores per GPU process - 1) with CUDA, 0 on the CPU (training/defaults.py)
     num_workers: int | None = None
@@ -34,8 +34,8 @@ class DataConfig:
     def validate(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
-        if self.num_proc < 1:
-            raise ConfigError(f"data.num_proc must be >= 1, got {self.num_proc}.")
+        if self.num_proc is not None and self.num_proc < 1:
+            raise ConfigError(f"data.num_proc must be >= 1 or null (every core), got {self.num_proc}.")
         if self.num_workers is not None and self.num_workers < 0:
             raise ConfigError(f"data.num_workers must be >= 0, got {self.num_workers}.")
         if self.num_samples < 1:

@@ -11,6 +11,7 @@ had not seen yet.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -19,14 +20,15 @@ import multiprocessing
 import multiprocessing.forkserver
 import os
 import signal
-from collections import Counter
+import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from datasets import Dataset
+from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.utils import cached_file
@@ -35,9 +37,20 @@ from core.config_tree import ConfigError
 from core.families import hf_config
 from data.collate import Collator
 from data.config import DataConfig, PackingConfig
-from data.formats import SKIP_REASONS, DataError
+from data.formats import DataError
+from data.image_files import files_signature, list_files
 from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
+from data.row_meta import (
+    DataStats,
+    RowMeta,
+    held_out_rows,
+    is_eval_row,
+    kept_rows,
+    on_error_raise_message,
+    too_long_detail,
+    too_long_reason,
+)
 from data.sources import open_records
 from data.tiny_processor import image_only_processor_class, load_or_build_tiny_processor
 from data.video import VideoSettings
@@ -46,8 +59,9 @@ logger = logging.getLogger(__name__)
 PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
 # Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
-SKIP_EXAMPLES_LOGGED = 3
 ROW_INDEX_COLUMN = "__row_index__"
+RECORDS_PER_PROCESS = 256  # with fewer records per process, starting the process costs about what it saves
+ITEMS_PER_READ = 4096  # samples whose metadata the plan reads from the numpy arrays at once
 
 
 MAX_LOADER_WORKERS = 8  # collating 16k-token packs of 256-1024-token images keeps up with an H200 step at this many
@@ -108,31 +122,6 @@ def load_processor(model_cfg, data_cfg: DataConfig):
         )
 
 
-@dataclass
-class DataStats:
-    """What happened to the records: kept per split, skipped per reason (streaming: updated while iterating)."""
-
-    records: int = 0
-    kept_train: int = 0
-    kept_eval: int = 0
-    skipped: Counter = field(default_factory=Counter)
-    skip_examples: dict[str, list[str]] = field(default_factory=dict)
-
-    def skip(self, reason: str, sample_id: str, detail: str) -> None:
-        self.skipped[reason] += 1
-        examples = self.skip_examples.setdefault(reason, [])
-        if len(examples) < SKIP_EXAMPLES_LOGGED:
-            examples.append(f"{sample_id}: {detail}")
-            logger.warning("skipping sample %s (%s): %s", sample_id, reason, detail)
-
-    def summary(self) -> str:
-        reasons = ", ".join(f"{r}={self.skipped[r]}" for r in SKIP_REASONS if self.skipped[r]) or "none"
-        return (
-            f"records={self.records} kept_train={self.kept_train} kept_eval={self.kept_eval} "
-            f"skipped={sum(self.skipped.values())} ({reasons})"
-        )
-
-
 # Config keys that describe how weights are stored or run, not how a sample is tokenised or positioned: train.py's
 # built model and inspect_data.py's bare config differ in them, and must share one processed cache.
 RUNTIME_CONFIG_KEYS = frozenset({"dtype", "torch_dtype", "transformers_version", "_name_or_path", "architectures"})
@@ -145,26 +134,13 @@ def _processing_config(value):
     return value
 
 
-def image_files_signature(records: Dataset, sample_processor: SampleProcessor) -> str:
-    """Hash of (path, size, mtime_ns) of every image file the records reference, "missing" for absent ones: an
-    image deleted, added or rewritten after processing changes the cache key, so no stale skip or row survives."""
-    digest = hashlib.blake2b(digest_size=16)
-    for record in records:
-        for path in sample_processor.image_files(record):
-            try:
-                stat = os.stat(path)
-                digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-            except (OSError, ValueError):  # ValueError: a name no file can have (NUL byte, lone surrogate)
-                digest.update(f"{path!r}\0missing\n".encode())
-    return digest.hexdigest()
-
-
 def processing_fingerprint(
     data_cfg: DataConfig, processor, model_config: PretrainedConfig, source_fingerprint: str, images_signature: str
 ) -> str:
     """Cache key of the processed dataset: everything its rows depend on. The source data (its contents' hash for
-    JSON files), the image files (`image_files_signature`), the data settings, processor, the model config's
-    processing fields, and the processing code's version. inspect_data.py and train.py compute the same key."""
+    JSON files), the image files (data/image_files.py's `files_signature`), the data settings, processor, the model
+    config's processing fields, and the processing code's version. inspect_data.py and train.py compute the same
+    key."""
     tokenizer = processor.tokenizer
     backend = getattr(tokenizer, "backend_tokenizer", None)
     parts = {
@@ -179,11 +155,6 @@ def processing_fingerprint(
         "model": _processing_config(model_config.to_dict()),
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
-
-
-def is_eval_row(index: int, eval_fraction: float) -> bool:
-    """Every round(1/eval_fraction)-th record is held out: stable, and the same when streaming."""
-    return eval_fraction > 0 and index % max(1, round(1 / eval_fraction)) == 0
 
 
 class StepLoader:
@@ -278,6 +249,8 @@ class StepLoader:
                 )
             yielded = self.step_in_epoch
             for batch in remaining:
+                if isinstance(batch, WorkerDataError):
+                    raise DataError(batch.message)
                 self.step_in_epoch += 1
                 yield batch
             if self.epochs is None and yielded == self.step_in_epoch == 0:
@@ -384,9 +357,16 @@ class _EpochBatches(IterableDataset):
         self.loader, self.epoch, self.first_step = loader, epoch, first_step
         self.leftover: Leftover | None = None
 
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict | WorkerDataError]:
         worker = get_worker_info()
-        worker_id, num_workers = (worker.id, worker.num_workers) if worker is not None else (0, 1)
+        try:
+            yield from self._batches(*((worker.id, worker.num_workers) if worker is not None else (0, 1)))
+        except DataError as error:
+            if worker is None:
+                raise
+            yield WorkerDataError(str(error))
+
+    def _batches(self, worker_id: int, num_workers: int) -> Iterator[dict]:
         leftover = Leftover()
         for index, step in enumerate(self.loader.steps(self.epoch, leftover)):
             if index < self.first_step or (index - self.first_step) % num_workers != worker_id:
@@ -399,19 +379,24 @@ class _EpochBatches(IterableDataset):
         self.leftover = leftover
 
 
+@dataclass(frozen=True)
+class WorkerDataError:
+    """A DataError raised in a loader worker, handed to the training process in place of the batch, which raises it
+    again with the same one-line message: PyTorch's own re-raise would bury the message in a multi-line traceback
+    (and train.py's `data error: ...` line with it)."""
+
+    message: str
+
+
 def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool) -> PackItem | None:
-    if row["skip_reason"]:
+    """A streamed row's PackItem, or None for a skip (counted in `stats`); `row_meta.kept_rows` decides the same
+    for a whole processed dataset at once."""
+    reason, detail = row["skip_reason"], row["skip_detail"]
+    if not reason and row["length"] > max_tokens:
+        reason, detail = too_long_reason(bool(row["video_grid_thw"])), too_long_detail(row["length"], max_tokens)
+    if reason:
         if raise_errors:  # the processed-dataset cache keeps skips from earlier `on_error: skip` runs
-            detail = f"{row['skip_reason']}: {row['skip_detail']}"
-            raise DataError(f"sample {row['sample_id']}: {detail} (data.on_error=skip skips it)")
-        stats.skip(row["skip_reason"], row["sample_id"], row["skip_detail"])
-        return None
-    if row["length"] > max_tokens:
-        detail = f"{row['length']} tokens > packing.max_tokens {max_tokens}"
-        # A video sample over budget is one with too many frames for the pack (data.video_max_frames / pixels).
-        reason = "video_too_long" if row["video_grid_thw"] else "too_long"
-        if raise_errors:
-            raise DataError(f"sample {row['sample_id']}: {reason}: {detail} (data.on_error=skip skips it)")
+            raise DataError(on_error_raise_message(row["sample_id"], reason, detail))
         stats.skip(reason, row["sample_id"], detail)
         return None
     return PackItem(
@@ -423,42 +408,58 @@ def _kept_item(row: dict, max_tokens: int, stats: DataStats, raise_errors: bool)
     )
 
 
-def _in_memory(
-    data_cfg: DataConfig,
-    max_tokens: int,
-    records: Dataset,
-    sample_processor: SampleProcessor,
-    fingerprint: str,
-    stats: DataStats,
-):
-    processed = records.map(
+def processing_processes(num_proc: int | None, records: int) -> int:
+    """`data.num_proc`, or for None every core this process may use (its CPU affinity: what a cluster's scheduler
+    grants it), but no more than one per RECORDS_PER_PROCESS records."""
+    if num_proc is not None:
+        return num_proc
+    cores = cpu_cores()
+    return max(1, min(cores, records // RECORDS_PER_PROCESS))
+
+
+@contextlib.contextmanager
+def _building(cache: str, source_fingerprint: str) -> Iterator[None]:
+    """Held while a process lists and processes one source: the other ranks of a node (and other runs sharing the
+    cache) wait for it, then load what it wrote, instead of each building the same cache on every core at once."""
+    os.makedirs(os.path.join(cache, "locks"), exist_ok=True)
+    lock = FileLock(os.path.join(cache, "locks", f"processing-{source_fingerprint}.lock"))
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        logger.info("waiting for another process to finish processing this data (%s)", lock.lock_file)
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _processed(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
+    """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`."""
+    return records.map(
         sample_processor,
         with_indices=True,
         remove_columns=records.column_names,
         features=PROCESSED_FEATURES,
-        num_proc=data_cfg.num_proc if data_cfg.num_proc > 1 else None,
+        num_proc=num_proc if num_proc > 1 else None,
         new_fingerprint=fingerprint,
         desc="processing samples",
     )
-    stats.records = len(processed)
-    columns = ["sample_id", "skip_reason", "skip_detail", "length", "num_patches", "image_grid_thw", "video_grid_thw"]
-    meta = processed.select_columns(columns)
-    splits: dict[bool, list[int]] = {False: [], True: []}
-    raise_errors = data_cfg.on_error == "raise"
-    kinds = np.zeros((len(meta), 2), dtype=bool)  # (has images, has videos) per row
-    for index, row in enumerate(meta):
-        kinds[index] = bool(row["image_grid_thw"]), bool(row["video_grid_thw"])
-        if _kept_item(row, max_tokens, stats, raise_errors) is not None:
-            splits[is_eval_row(index, data_cfg.eval_fraction)].append(index)
-    stats.kept_train, stats.kept_eval = len(splits[False]), len(splits[True])
-    rows = _RowMeta(
-        lengths=np.asarray(meta["length"], dtype=np.int64),
-        patches=np.asarray(meta["num_patches"], dtype=np.int64),
-        kinds=kinds,
-    )
-    train_items = _SampleOrder(rows, np.asarray(splits[False], dtype=np.int64), seed=data_cfg.seed)
-    eval_items = _SampleOrder(rows, np.asarray(splits[True], dtype=np.int64), seed=None)
-    return train_items, eval_items, _RowFetch(processed)
+
+
+def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
+    """(train items, eval items, fetch) over the processed dataset; counts the records, kept and skipped, in
+    `stats`."""
+    # A fresh map's output: its arrow table is the rows in order (no indices mapping), memory-mapped from the cache.
+    table = processed.data.table
+    rows = RowMeta.read(table)
+    kept = kept_rows(table, rows, max_tokens, stats, data_cfg.on_error == "raise")
+    held_out = held_out_rows(len(processed), data_cfg.eval_fraction)
+    train_rows, eval_rows = np.flatnonzero(kept & ~held_out), np.flatnonzero(kept & held_out)
+    stats.records, stats.kept_train, stats.kept_eval = len(processed), len(train_rows), len(eval_rows)
+    train_items = _SampleOrder(rows, train_rows, seed=data_cfg.seed)
+    eval_items = _SampleOrder(rows, eval_rows, seed=None)
+    return train_items, eval_items, ProcessedRows(processed)
 
 
 # The in-memory plan's parts are module-level classes, not closures: loader workers start from a forkserver
@@ -466,19 +467,13 @@ def _in_memory(
 
 
 @dataclass(frozen=True)
-class _RowMeta:
-    """Per processed row (kept or skipped): token length, patch count and (has images, has videos)."""
-
-    lengths: np.ndarray
-    patches: np.ndarray
-    kinds: np.ndarray
-
-
-@dataclass(frozen=True)
 class _SampleOrder:
-    """`items(epoch)`: one split's samples as PackItems, reshuffled per epoch when seeded, in row order otherwise."""
+    """`items(epoch)`: one split's samples as PackItems, reshuffled per epoch when seeded, in row order otherwise.
 
-    rows: _RowMeta
+    `indices`: (n,) int64 row indices of the split. PackItems are made as the plan consumes them, ITEMS_PER_READ
+    at a time, so only the planner's buffer of them is alive."""
+
+    rows: RowMeta
     indices: np.ndarray
     seed: int | None
 
@@ -487,19 +482,24 @@ class _SampleOrder:
         if self.seed is not None:
             order = np.random.default_rng([self.seed, epoch]).permutation(order)
         rows = self.rows
-        for i in order.tolist():
-            has_images, has_videos = rows.kinds[i].tolist()
-            yield PackItem(i, int(rows.lengths[i]), int(rows.patches[i]), has_images=has_images, has_videos=has_videos)
+        for start in range(0, len(order), ITEMS_PER_READ):
+            keys = order[start : start + ITEMS_PER_READ]
+            lengths, patches, kinds = rows.lengths[keys].tolist(), rows.patches[keys].tolist(), rows.kinds[keys]
+            for key, length, num_patches, (has_images, has_videos) in zip(
+                keys.tolist(), lengths, patches, kinds.tolist(), strict=True
+            ):
+                yield PackItem(key, length, num_patches, has_images=has_images, has_videos=has_videos)
 
 
 @dataclass(frozen=True)
-class _RowFetch:
-    """`fetch(keys)`: the processed rows of those row indices."""
+class ProcessedRows:
+    """`fetch(keys)` of the in-memory mode: the processed rows (dicts of PROCESSED_FEATURES) of those row indices,
+    read from `dataset`, the memory-mapped processed dataset."""
 
-    processed: Dataset
+    dataset: Dataset
 
     def __call__(self, keys: list[int]) -> list[dict]:
-        return [self.processed[int(k)] for k in keys]
+        return [self.dataset[int(k)] for k in keys]
 
 
 def _streaming(
@@ -581,12 +581,15 @@ def build_data(
     if data_cfg.streaming:
         train_items, eval_items, fetch = _streaming(data_cfg, packing_cfg, records, sample_processor, stats)
     else:
-        images = image_files_signature(records, sample_processor)
-        fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
-        train_items, eval_items, fetch = _in_memory(
-            data_cfg, packing_cfg.max_tokens, records, sample_processor, fingerprint, stats
-        )
-        logger.log(logging.WARNING if stats.skipped else logging.INFO, "data: %s", stats.summary())
+        started = time.perf_counter()
+        num_proc = processing_processes(data_cfg.num_proc, len(records))
+        with _building(cache_root(data_cfg), records._fingerprint):
+            images = files_signature(list_files(records, sample_processor, num_proc))
+            fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
+            processed = _processed(records, sample_processor, fingerprint, num_proc)
+        train_items, eval_items, fetch = _in_memory(data_cfg, packing_cfg.max_tokens, processed, stats)
+        level = logging.WARNING if stats.skipped else logging.INFO
+        logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)
     collator = Collator(
         processor.image_processor,
         image_size_kwargs(processor.image_processor, data_cfg.min_pixels, data_cfg.max_pixels),

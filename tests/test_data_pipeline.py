@@ -20,6 +20,7 @@ from torch.utils.data import get_worker_info
 from core.families import hf_config
 from core.special_tokens import EOS_ID
 from data.config import PackingConfig
+from data.formats import DataError
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
@@ -780,3 +781,32 @@ def test_every_rank_knows_the_vision_kinds_of_the_whole_micro_step():
         saw_other_ranks_video |= expected[1] and not all(own_videos)
     assert saw_other_ranks_video
     assert STEP_VISION not in next(iter(synthetic_loader(4, world_size=1)))  # off by default: batches untouched
+
+
+class CollateFailingAt:
+    """`collate` of a StepLoader that raises the DataError a bad sample raises under data.on_error=raise when its
+    batch holds sample `key`; a class, as loader workers unpickle it."""
+
+    def __init__(self, key: int):
+        self.key = key
+
+    def __call__(self, keys: list) -> tuple:
+        if self.key in keys:
+            raise DataError(f"sample {self.key}: missing_image: gone.png: No such file (data.on_error=skip skips it)")
+        return tuple(keys)
+
+
+def test_a_data_error_in_a_loader_worker_is_the_same_one_line():
+    """A DataError raised while a loader worker collates reaches the training process as a DataError with exactly
+    the worker's one-line message (train.py prints it as `data error: ...`), not PyTorch's multi-line re-raise; the
+    batches before it arrive as they would inline."""
+    bad = next(iter(SyntheticItems(9)(0))).key  # in the first pack of epoch 0
+    packing = PackingConfig(max_tokens=1000, buffer_size=8, balance_window_steps=1)
+    loaders = [
+        StepLoader(SyntheticItems(9), list, CollateFailingAt(bad), packing, 0, 1, 1, None, num_workers=workers)
+        for workers in (0, 2)
+    ]
+    for loader in loaders:
+        with pytest.raises(DataError) as raised:
+            list(itertools.islice(loader, 10))
+        assert str(raised.value) == f"sample {bad}: missing_image: gone.png: No such file (data.on_error=skip skips it)"
