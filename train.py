@@ -93,7 +93,9 @@ def main(argv: list[str] | None = None) -> dict:
     if trains:
         timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
-        checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype)
+        checkpoint.export(
+            accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype, cfg.lora, cfg.model.name_or_path
+        )
     summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )

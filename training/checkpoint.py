@@ -6,10 +6,13 @@ A `COMPLETE` marker is written last (and removed first when pruning), so a run k
 resumes from a torn checkpoint. The export `<run dir>/final/` is `save_pretrained` + the processor:
 `AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained` load it for inference. It is
 written to `final.partial/` and renamed, so `final/` exists only once complete and `--resume` redoes a killed one.
+With LoRA a checkpoint's model state is the adapters and fully trained parts only (training/lora.py), and the export
+adds `final/adapter/` in peft's format; `final/` holds the merged model unless `lora.merge_on_export` is false.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
@@ -19,7 +22,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from training.config import CheckpointConfig
+from training import lora
+from training.config import CheckpointConfig, LoraConfig
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -101,27 +105,41 @@ def export_complete(out_dir: Path) -> bool:
     return out_dir.is_dir()
 
 
-def export(accelerator: Accelerator, model: torch.nn.Module, processor: Any, out_dir: Path, dtype: str) -> Path:
+def export(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    processor: Any,
+    out_dir: Path,
+    dtype: str,
+    lora_cfg: LoraConfig | None = None,
+    base_model: str | None = None,
+) -> Path:
     """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
 
     `model` is the prepared training module (`step.TrainModule`): its `.model` is the HF model; the full state
     dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
-    it to `out_dir` (see `export_complete`).
+    it to `out_dir` (see `export_complete`). With LoRA (`lora_cfg`) the adapter goes to `<out_dir>/adapter/` in
+    peft's format (for `base_model`, the run's `model.name_or_path`) and, with `lora.merge_on_export`, the model
+    with the adapters merged into its weights to `out_dir` itself; the processor always goes to `out_dir`.
     """
-    state = accelerator.get_state_dict(model)
+    hf_model = accelerator.unwrap_model(model).model
+    with lora.full_state_dict(hf_model) if lora_cfg is not None else contextlib.nullcontext():
+        state = accelerator.get_state_dict(model)
     partial = out_dir.with_name(out_dir.name + ".partial")
     if accelerator.is_main_process:
         shutil.rmtree(partial, ignore_errors=True)
-        hf_model = accelerator.unwrap_model(model).model
         target = getattr(torch, dtype)
-        weights = {
-            key.removeprefix("model."): value.to(target) if value.is_floating_point() else value
-            for key, value in state.items()
-        }
-        hf_model.save_pretrained(partial, state_dict=weights)
-        # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `dtype`.
-        hf_model.config.dtype = dtype
-        hf_model.config.save_pretrained(partial)
+        weights = {key.removeprefix("model."): value for key, value in state.items()}
+        if lora_cfg is not None:
+            lora.export_adapter(partial / lora.ADAPTER_DIR, weights, hf_model, lora_cfg, base_model, target)
+        if lora_cfg is None or lora_cfg.merge_on_export:
+            if lora_cfg is not None:
+                weights = lora.merged_state(weights, hf_model)
+            weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+            hf_model.save_pretrained(partial, state_dict=weights)
+            # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `dtype`.
+            hf_model.config.dtype = dtype
+            hf_model.config.save_pretrained(partial)
         processor.save_pretrained(partial)
         shutil.rmtree(out_dir, ignore_errors=True)
         partial.rename(out_dir)
