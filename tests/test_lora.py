@@ -21,7 +21,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from core.config_tree import ConfigError
 from tests.tiers import tiered
-from training import lora, parts
+from training import lora, metrics, parts
 from training.config import LoraConfig, load_config
 from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
 from training.modeling import build_model
@@ -359,3 +359,63 @@ def test_adapter_only_export(tmp_path):
         "adapter_model.safetensors",
     ]
     assert (export / "tokenizer.json").is_file() and not (export / "model.safetensors").exists()
+
+
+# ----- MFU: what runs under LoRA and under the freeze options -----
+
+
+def tiny_dimensions(cfg) -> dict[str, int]:
+    """Hand counts of the tiny Qwen2.5-VL's matmul weights from its recipe: LLM (lm_head included), ViT, merger,
+    and the rank-r adapters on every linear layer of the language model."""
+    text, vision = cfg.model.config["text_config"], cfg.model.config["vision_config"]
+    h, inter, layers = text["hidden_size"], text["intermediate_size"], text["num_hidden_layers"]
+    kv = text["num_key_value_heads"] * h // text["num_attention_heads"]
+    vw, vi, depth = vision["hidden_size"], vision["intermediate_size"], vision["depth"]
+    merged_dim = vw * vision["spatial_merge_size"] ** 2
+    r = cfg.lora.rank
+    return {
+        "llm": layers * (2 * h * h + 2 * h * kv + 3 * h * inter) + text["vocab_size"] * h,
+        # q, o: h -> h; k, v: h -> kv; gate, up: h -> inter; down: inter -> h; each adapter r·(in + out)
+        "adapters": layers * r * (2 * (h + h) + 2 * (h + kv) + 3 * (h + inter)),
+        "vit": vw * 3 * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+        + depth * (3 * vw * vw + vw * vw + 3 * vw * vi),
+        "merger": merged_dim * merged_dim + merged_dim * vision["out_hidden_size"],
+        "attn_width": h,
+        "vit_width": vw,
+        "layers": layers,
+        "vit_full": len(vision["fullatt_block_indexes"]),
+        "vit_depth": depth,
+    }
+
+
+def test_pack_flops_count_what_runs_under_lora_and_under_freezing():
+    """pack_flops counts each weight's forward, its input gradient where gradients flow through it and its weight
+    gradient only if it trains. LoRA on the language model: 4·N for the frozen base (forward + input gradient),
+    6·r·(in + out) per adapter, forward only for the frozen ViT and merger, attention backward through the LLM only.
+    model.freeze_llm: 4·N for the LLM, 6·N for the ViT and merger that train, attention backward in both."""
+    cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", ["lora.rank=4"])
+    d = tiny_dimensions(cfg)
+    lengths, grid = [10, 20], (1, 8, 12)  # as tests/test_train.py: 96 patches, 24 merged tokens, 2x2-merged windows
+    tokens, patches, merged = sum(lengths), 96, 24
+    window_pairs = (2 * 2 + 2 * 2) * (2 * 2 + 2 * 2 + 2 * 2) * 2**4
+    llm_attn = 4 * d["attn_width"] * (10**2 + 20**2) * d["layers"]
+    vit_attn = 4 * d["vit_width"] * (patches**2 * d["vit_full"] + window_pairs * (d["vit_depth"] - d["vit_full"]))
+
+    def profile(lora_cfg, frozen: dict[str, bool]):
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        if lora_cfg is None:
+            parts.freeze(model, frozen)
+        else:
+            apply_lora(model, lora_cfg, torch.float32)
+        return metrics.FlopProfile.from_model(model)
+
+    with_lora = profile(cfg.lora, {})
+    assert with_lora.llm_matmul_params == d["llm"] + d["adapters"] and with_lora.llm_trained_params == d["adapters"]
+    expected = 4 * d["llm"] * tokens + 6 * d["adapters"] * tokens + 3 * llm_attn
+    expected += 2 * d["vit"] * patches + 2 * d["merger"] * merged + vit_attn
+    assert metrics.pack_flops(with_lora, lengths, [grid]) == pytest.approx(expected, rel=1e-12)
+
+    frozen_llm = profile(None, {"llm": True})
+    expected = 4 * d["llm"] * tokens + 3 * llm_attn + 6 * d["vit"] * patches + 6 * d["merger"] * merged + 3 * vit_attn
+    assert metrics.pack_flops(frozen_llm, lengths, [grid]) == pytest.approx(expected, rel=1e-12)
