@@ -10,7 +10,8 @@ layers) and before gradient checkpointing, compile, the optimizer and accelerate
 
 What trains: the adapters, plus the parts named in `lora.trainable`, fully (plain requires_grad, so the parts and
 their learning rates (training/optim.py) and FSDP2's units are the usual ones; peft's `modules_to_save` would train
-a copy of each such module beside the frozen original). Everything else is frozen.
+a copy of each such module beside the frozen original). Everything else is frozen. The input embeddings' output
+takes a gradient all the same (`_output_requires_grad`: FSDP2's ranks must reach the first decoder layer alike).
 
 Memory: the frozen matmul weights (those autocast would cast at every use, training/master_weights.py's
 `cast_param_ids`, and an untied frozen lm_head, which the loss casts) are held in `model.dtype`: 2 bytes per base
@@ -164,6 +165,7 @@ def apply_lora(model: nn.Module, lora_cfg: LoraConfig, compute_dtype: torch.dtyp
     for name in trained:
         model.get_submodule(name).requires_grad_(True)
     frozen_cast = cast_frozen_weights(model, compute_dtype)
+    model.get_input_embeddings().register_forward_hook(_output_requires_grad)
     model.register_state_dict_post_hook(_drop_frozen)
     model.register_load_state_dict_post_hook(_frozen_not_missing)
     adapter_params = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
@@ -191,6 +193,17 @@ def cast_frozen_weights(model: nn.Module, dtype: torch.dtype) -> int:
                 param.data = param.data.to(dtype)
                 count += 1
     return count
+
+
+def _output_requires_grad(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+    """Forward hook on the input embeddings: their output takes a gradient, so every pack's first decoder layer runs
+    its backward. With frozen embeddings that layer's input would need a gradient only in a pack with images (from a
+    trained merger or ViT): under FSDP2, whose units reduce their gradients as autograd reaches their inputs, a rank
+    with a text-only pack would reduce the first layer's at the end of backward instead, out of order with a rank
+    that has images, and both would wait forever. The cost is the first layer's input gradients (transformers'
+    `enable_input_require_grads` does the same for frozen embeddings)."""
+    if torch.is_grad_enabled():
+        output.requires_grad_(True)
 
 
 def _drop_frozen(module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict) -> None:

@@ -173,8 +173,9 @@ def pack_flops(profile: FlopProfile, sample_lengths: Sequence[int], image_grids:
     upstream trains; its weight gradient, as much again, only if it trains. So a full fine-tune counts 6·N per token,
     frozen weights under trained ones 4·N, a frozen ViT below a frozen merger 2·N, and LoRA 4·N for the frozen base
     plus 6·r·(in + out) per adapted layer (the adapters are weights of the part, trainable). At a part's input the
-    first weights' input gradient is counted though autograd skips it when nothing upstream trains, e.g. a trained
-    merger's first layer above a frozen ViT, or the bottom decoder layer's q/k/v under LoRA: under 1/L of the part.
+    first weights' input gradient is counted though autograd skips it when nothing upstream trains (a trained merger's
+    first layer above a frozen ViT; the ViT's patch embedding, whose input is pixels): a small over-count. Under LoRA
+    the embeddings' output takes a gradient (training/lora.py), so the decoder's count is exact.
     Attention and the delta rule have no weights; their backward is 2× forward where gradients flow):
       * Dense layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
         `llm_matmul_params` (lm_head and adapters included; MoE experts scaled by top_k/n_experts), over Σsᵢ tokens.
