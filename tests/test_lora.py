@@ -7,6 +7,8 @@ from __future__ import annotations
 import copy
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -336,6 +338,28 @@ def test_lora_resume_gives_the_same_losses(lora_run, tmp_path):
     shutil.copytree(out / "checkpoints" / "step_00000002", resumed / "checkpoints" / "step_00000002")
     run_train(resumed, cache, "checkpoint.export=false", resume=True)
     assert losses(resumed) == {step: loss for step, loss in losses(out).items() if step > 2}
+
+
+@pytest.mark.parametrize("moment", ["checkpoint", "export"])
+@pytest.mark.slow
+def test_lora_kill_9_then_resume_ends_with_the_uninterrupted_adapter(lora_run, tmp_path, moment):
+    """A LoRA run killed with SIGKILL while writing its last checkpoint, or its export, and relaunched with --resume
+    ends complete, each step logged once with the uninterrupted run's loss, and with exactly its final merged weights
+    and adapter."""
+    from tests.test_train import KILL_DURING
+
+    out, cache, _ = lora_run
+    killed = tmp_path / moment
+    child = "import os, signal, sys\n" + KILL_DURING[moment] + "import train\n"
+    child += f"sys.exit(train.cli({run_args(killed, cache)!r}))\n"
+    process = subprocess.run([sys.executable, "-c", child], cwd=Path(train.__file__).parent, capture_output=True)
+    assert process.returncode == -9, process.stderr.decode()[-2000:]
+    assert not (killed / "final").exists()
+    summary = run_train(killed, cache, resume=True)
+    assert summary["steps"] == 4 and losses(killed) == losses(out)
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        expected, written = load_file(out / "final" / name), load_file(killed / "final" / name)
+        assert expected.keys() == written.keys() and all(torch.equal(expected[k], written[k]) for k in expected)
 
 
 def test_adapter_only_export(tmp_path):
