@@ -28,7 +28,7 @@ from training.config import LoraConfig, load_config
 from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
 from training.modeling import build_model
 from training.packed import enable_packed_forward, packed_model_inputs
-from verification.packing_check import SampleSpec, pack_samples
+from verification.packing_check import SampleSpec, pack_samples, randomize_adapters
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
 FAST_FAMILIES = ("qwen2_5_vl", "qwen3_5")  # one chunked-rope family, one Gated DeltaNet family; the rest in test-all
@@ -43,14 +43,6 @@ def adapted(model: nn.Module, dtype: torch.dtype = torch.float32, randomize: boo
     if randomize:
         randomize_adapters(model)
     return model
-
-
-def randomize_adapters(model: nn.Module, seed: int = 0) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in lora_layers(model).values():
-            weight = layer.lora_B[ADAPTER].weight
-            weight.copy_(0.1 * torch.randn(weight.shape, generator=generator))
 
 
 def packed_logits(model: nn.Module, batch: dict) -> torch.Tensor:

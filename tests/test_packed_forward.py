@@ -111,14 +111,14 @@ def test_packed_equals_per_sample(tiny_samples, tiny_model, family, rope):
 @pytest.mark.parametrize("family", tiered(FAMILIES, fast=("qwen3_5",)))
 def test_packed_equals_per_sample_with_lora(tiny_samples, tiny_model, family):
     """With LoRA adapters on every linear layer of the language model, the ViT blocks and the mergers (lora_B drawn at
-    random, so the adapters change the logits), a pack's logits, loss and every adapter's gradient equal the
-    per-sample forward+backward (fp32, dropout 0): the adapters open no path across samples. (The fused rope on an
-    adapted model: tests/test_patch.py.)"""
+    random, so the adapters change the logits), a pack of images, videos and text gives the logits, loss and every
+    adapter's gradient of the per-sample forward+backward (fp32, dropout 0): the adapters open no path across
+    samples. (The fused rope on an adapted model: tests/test_patch.py.)"""
     from tests.test_lora import adapted, packed_logits
 
     model = tiny_model(family)
     enable_packed_forward(model)
-    samples = tiny_samples(model, MIXED_PACK)
+    samples = tiny_samples(model, (*MIXED_PACK[:2], *VIDEO_PACK[:2]))
     base_logits = packed_logits(model, pack_samples(model, samples))
     adapted(model, vision=True, merger=True)
     adapted_logits = packed_logits(model, pack_samples(model, samples))
@@ -524,6 +524,20 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.count("\nunfused ") == 2 and "PASS" in out
+
+
+def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path, capsys):
+    """On a LoRA recipe, scripts/verify_packing.py applies the recipe's adapters (B drawn at random) and compares their
+    gradients, the only trained ones, packed vs per sample: it passes and names an adapter as the worst gradient."""
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
+    args = ["--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides]
+    status = verify_packing.main(args)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("unfused "))
+    assert ".lora_" in row and "PASS" in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
