@@ -418,13 +418,13 @@ sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from data.pipeline import build_data, load_processor
 from training.step import TrainModule
 from training.config import load_config
 from core.families import hf_config
-from training.lora import ADAPTER, apply_lora, lora_layers
+from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 
@@ -475,13 +475,22 @@ set_model_state_dict(fresh, loaded)
 restored = dict(fresh.named_parameters())
 mismatched = [n for n, p in sharded.named_parameters() if not torch.equal(p.full_tensor(), restored[n].full_tensor())]
 
+# the export: the full state dict gathered (frozen base included), the adapters merged, as the plain model's weights
+with full_state_dict(sharded.model):
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+export_loads = None
+if rank == 0:
+    plain = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
+    merged = merged_state({{k.removeprefix("model."): v for k, v in full.items()}}, sharded.model)
+    export_loads = not plain.load_state_dict(merged).missing_keys
+
 policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 mixed = shard(train_module(torch.bfloat16), mp_policy=policy)
 (mixed(packs[rank]) * 2 / labels).backward()
 dtypes = sorted({{str(p.dtype) for p in mixed.parameters()}})
 report = dict(
     rank=rank, worst=worst_error(sharded, reference), state_keys=sorted(state) == trained, trained=len(trained),
-    mismatched=mismatched, bf16_worst=worst_error(mixed, reference), dtypes=dtypes,
+    mismatched=mismatched, bf16_worst=worst_error(mixed, reference), dtypes=dtypes, export_loads=export_loads,
 )
 print("RESULT " + json.dumps(report), flush=True)
 """
@@ -491,7 +500,8 @@ print("RESULT " + json.dumps(report), flush=True)
 def test_lora_under_fsdp2_matches_one_model_and_checkpoints_the_adapters(tmp_path):
     """Under FSDP2 (per-layer shards over gloo) a LoRA step, one rank text-only, gives the unsharded model's adapter
     and merger gradients (fp32); the sharded state dict that accelerate's checkpoint saves through DCP is the trained
-    tensors only and loads back strictly into a fresh sharded model, every tensor restored; and the bf16 frozen base
+    tensors only and loads back strictly into a fresh sharded model, every tensor restored; the export's full state
+    dict, gathered with the frozen base and merged, loads strictly into the plain model; and the bf16 frozen base
     beside fp32 adapters in one unit shards and trains under mixed precision (bf16 gathers, fp32 reduction), within
     bf16 rounding of the fp32 gradients."""
     data = write_mixed_dataset(tmp_path / "data")
@@ -509,5 +519,6 @@ def test_lora_under_fsdp2_matches_one_model_and_checkpoints_the_adapters(tmp_pat
     for result in results:
         assert result["worst"] < 1e-4, f"rank {result['rank']}: worst relative gradient error {result['worst']}"
         assert result["state_keys"] and result["trained"] > 0 and not result["mismatched"]
+        assert result["export_loads"] is (True if result["rank"] == 0 else None)
         assert result["dtypes"] == ["torch.bfloat16", "torch.float32"]
         assert result["bf16_worst"] < 5e-2, f"rank {result['rank']}: bf16 gradient error {result['bf16_worst']}"
