@@ -1,5 +1,5 @@
 """The recipe schema: one typed tree with sections model, data, packing, kernels, parallel, train, checkpoint,
-logging.
+logging, and lora (absent for a full fine-tune).
 
 `load_config(path, overrides)` is the single entry point; train.py and every script use it.
 """

@@ -127,7 +127,7 @@ def trained_modules(model: nn.Module, trainable: list[str]) -> list[str]:
     for group in trainable:
         for module in groups[group]:
             units = list(module) if isinstance(module, nn.ModuleList) else [module]
-            chosen += [names[id(unit)] for unit in units if any(True for _ in unit.parameters())]
+            chosen += [names[id(unit)] for unit in units if next(unit.parameters(), None) is not None]
     return chosen
 
 
