@@ -161,14 +161,23 @@ def test_frozen_base_is_held_in_the_compute_dtype(tiny_model):
 @pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_step_zero_adapted_logits_equal_the_base_models(tiny_model, tiny_samples, family):
     """With peft's initialisation (lora_B = 0) the adapted model's logits on a pack equal its base model's bit for
-    bit: in fp32, and in bf16 autocast with the frozen base held in bf16 against the fp32 base that autocast casts."""
+    bit: in fp32, and in bf16 autocast with the frozen base held in bf16 against the fp32 base that autocast casts.
+    MoE expert banks are the exception autocast makes: it leaves F.grouped_mm alone, so fp32 experts multiply in fp32
+    and the bf16-held ones in bf16 (as under FSDP2); there the reference holds its experts in bf16 too."""
     base = tiny_model(family)
     enable_packed_forward(base)
     batch = pack_samples(base, tiny_samples(base, PACK))
     for dtype in (torch.float32, torch.bfloat16):
+        reference = base
+        if "moe" in family and dtype == torch.bfloat16:
+            reference = copy.deepcopy(base)
+            with torch.no_grad():
+                for name, param in reference.named_parameters():
+                    if ".experts." in name:
+                        param.data = param.data.to(dtype)
         model = adapted(copy.deepcopy(base), dtype, randomize=False, vision=True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            assert torch.equal(packed_logits(model, batch), packed_logits(base, batch)), dtype
+            assert torch.equal(packed_logits(model, batch), packed_logits(reference, batch)), dtype
 
 
 def trained_names(model: nn.Module, prefix: str = "") -> set[str]:
@@ -235,14 +244,16 @@ def test_merged_weights_and_the_peft_adapter_reproduce_the_adapted_model(tiny_mo
 
 
 def run_args(out: Path, cache: Path, *overrides: str) -> list[str]:
-    """train.py's arguments for the tiny LoRA recipe on a small slice of the built-in data, 4 steps."""
+    """train.py's arguments for the tiny LoRA recipe on a small slice of the built-in data, 4 steps, collated
+    inline."""
     return [
         "--config",
         RECIPE,
         f"train.output_dir={out}",
         f"data.cache_dir={cache}",
-        "data.num_samples=48",
+        "data.num_samples=32",
         "data.eval_fraction=0",
+        "data.num_workers=0",
         "packing.max_tokens=512",
         "kernels.mrope=unfused",  # the fused kernels run under the Triton interpreter here: ~100x slower
         "train.max_steps=4",
