@@ -147,7 +147,16 @@ def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.S
         stop = lambda: host.any(signals.requested)
         timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed, stop)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
-        checkpoint.export(accelerator, setup.module, setup.processor, export_dir, cfg.model.dtype, host)
+        checkpoint.export(
+            accelerator,
+            setup.module,
+            setup.processor,
+            export_dir,
+            cfg.model.dtype,
+            host,
+            cfg.lora,
+            cfg.model.name_or_path,
+        )
     summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope
     )

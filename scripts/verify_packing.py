@@ -9,6 +9,8 @@ bf16/fp16 models also run both sides on an fp32 copy: its packed vs per-sample d
 worst relative one) must stay within the fp32 tolerance, and each low-precision gradient may differ by up to
 3x the larger of the two runs' own errors against that copy (verification/packing_check.py says why).
 The recipe's packing.mode is forced to "packed"; everything else (model, dtype, data, pack budget) is the recipe's.
+A LoRA recipe's adapters are applied with their B drawn at random (peft's zero init would make them change nothing),
+and the comparison covers their gradients, the only ones then.
 MoE models: the packed run takes the per-sample run's top-k expert choices (pinned, verification/routing_pin.py), so a
 near-tie token rounded onto another expert cannot pass for a leak; each pack prints how many choices would flip.
 
@@ -25,12 +27,14 @@ import torch
 
 from data.pipeline import build_data, load_processor
 from training.config import load_config
+from training.lora import apply_lora
 from training.modeling import build_model
 from training.packed import enable_packed_forward
 from verification.packing_check import (
     RELATIVE_TOLERANCE,
     ROUNDING_FACTOR,
     compare_packed_to_per_sample,
+    randomize_adapters,
     samples_from_batch,
 )
 
@@ -65,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(cfg.model, attn_implementation="sdpa").to(args.device)
     model.train()
     enable_packed_forward(model, cfg.kernels.gated_delta)
+    if cfg.lora is not None:  # the recipe's adapters, drawn at random so that they change the outputs
+        apply_lora(model, cfg.lora, model.dtype)
+        randomize_adapters(model)
     rtol = args.rtol if args.rtol is not None else RELATIVE_TOLERANCE[model.dtype]
     merge = model.config.vision_config.spatial_merge_size
 

@@ -133,6 +133,30 @@ def test_compiled_blocks_equal_eager(tiny_model, tiny_samples, family, checkpoin
             assert_close(grad, expected_grads[name], name)
 
 
+@pytest.mark.parametrize(("family", "checkpointing"), [("qwen2_5_vl", True), ("qwen3_5", False)])
+@pytest.mark.slow
+def test_compiled_lora_blocks_equal_eager(tiny_model, tiny_samples, family, checkpointing):
+    """With LoRA adapters in the decoder layers and ViT blocks (lora_B drawn at random), every attention block still
+    compiles as one graph (peft's LoRA Linear traces in fullgraph), and the loss and every adapter gradient equal the
+    eager adapted model's (fp32), with gradient checkpointing replaying the compiled layers too."""
+    from tests.test_lora import adapted
+
+    eager, compiled = (packed_model(tiny_model, family, checkpointing) for _ in range(2))
+    for model in (eager, compiled):
+        torch.manual_seed(0)  # the same lora_A initialisation on both
+        adapted(model, vision=True)
+    report = regional.compile_blocks(compiled, backend="aot_eager")
+    assert report.fullgraph  # every block but Qwen3.5's Gated DeltaNet layers
+    for seed, specs in enumerate(PACKS[:2]):
+        batch = pack_samples(eager, tiny_samples(eager, specs, seed=seed))
+        loss, grads = loss_and_grads(compiled, batch)
+        expected_loss, expected_grads = loss_and_grads(eager, batch)
+        assert_close(loss, expected_loss, "loss")
+        assert grads.keys() == expected_grads.keys() and all("lora_" in name for name in grads)
+        for name, grad in grads.items():
+            assert_close(grad, expected_grads[name], name)
+
+
 def _first_call_inputs(model: torch.nn.Module, block: torch.nn.Module, batch: dict) -> tuple[tuple, dict]:
     """The positional and keyword arguments `block` receives in an eager forward of `batch`."""
     seen = []

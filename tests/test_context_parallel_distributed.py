@@ -277,3 +277,21 @@ def test_data_and_context_parallel_together_match_one_process(tmp_path):
     for step in both:
         assert both[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), f"loss at step {step}"
         assert both[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-5), f"grad norm at {step}"
+
+
+@pytest.mark.slow
+def test_lora_training_with_context_parallel_matches_one_process(tmp_path):
+    """LoRA (recipes/lora-tiny.yaml: adapters in the decoder layers and ViT blocks, the merger trained fully) under
+    `accelerate launch` of two processes with parallel.context=2 logs one process's loss and gradient norm step by
+    step: the adapters' gradients, each rank's from its own rows, sum to the whole pack's."""
+    data, cache = write_mixed_dataset(tmp_path / "data"), tmp_path / "cache"
+    common = ["packing.balance_window_steps=1", "checkpoint.export=false", "checkpoint.every_steps=0"]
+    recipe = "recipes/lora-tiny.yaml"
+    context = launch(2, tmp_path / "cp2", data, cache, *common, "parallel.context=2", recipe=recipe)
+    launch(1, tmp_path / "cp1", data, cache, *common, recipe=recipe)
+    assert context["num_processes"] == 2
+    cp2, cp1 = step_records(tmp_path / "cp2"), step_records(tmp_path / "cp1")
+    assert sorted(cp2) == sorted(cp1)
+    for step in cp2:
+        assert cp2[step]["loss"] == pytest.approx(cp1[step]["loss"], rel=1e-5), f"loss at step {step}"
+        assert cp2[step]["grad_norm"] == pytest.approx(cp1[step]["grad_norm"], rel=1e-5), f"grad norm at {step}"

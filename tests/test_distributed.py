@@ -368,3 +368,158 @@ def test_fsdp2_with_a_text_only_rank_matches_one_unsharded_model(runs, tmp_path)
         assert result["patches"][0] > 0 and result["patches"][1] == 0
         assert result["units"] >= 4  # 2 decoder layers + 2 ViT blocks of the tiny model
         assert result["worst"] < 1e-4, f"rank {result['rank']}: worst relative gradient error {result['worst']}"
+
+
+LORA = "recipes/lora-tiny.yaml"  # adapters on the language model and the ViT blocks, the merger trained fully
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tmp_path_factory) -> dict[str, Path]:
+    """LoRA launches of recipes/lora-tiny.yaml: two processes (with the export), one process accumulating the same
+    two packs per step, and two processes resuming the first from its step-2 checkpoint."""
+    root = tmp_path_factory.mktemp("distributed-lora")
+    data, cache = write_mixed_dataset(root / "data"), root / "cache"
+    two, one, resumed = root / "two", root / "one", root / "resumed"
+    launch(2, two, data, cache, "packing.balance_window_steps=1", "checkpoint.export=true", recipe=LORA)
+    launch(1, one, data, cache, "packing.balance_window_steps=2", "train.grad_accum_steps=2", recipe=LORA)
+    checkpoint = two / "checkpoints" / "step_00000002"
+    launch(2, resumed, data, cache, "packing.balance_window_steps=1", f"checkpoint.resume={checkpoint}", recipe=LORA)
+    return {"two": two, "one": one, "resumed": resumed}
+
+
+@pytest.mark.slow
+def test_lora_under_ddp_matches_one_process_and_resumes_exactly(lora_runs):
+    """LoRA under DDP (one rank text-only every step, so its ViT adapters train through the dummy image): the loss and
+    gradient norm per step equal one process accumulating the same packs; resuming the two processes from step 2
+    gives the same losses; the checkpoints hold only the trained tensors; the merged export loads in one process."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForImageTextToText
+
+    two, one, resumed = (step_records(lora_runs[name]) for name in ("two", "one", "resumed"))
+    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1)) and sorted(resumed) == [3, 4]
+    for step in two:
+        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), f"loss at step {step}"
+        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), f"grad norm at {step}"
+    for step in resumed:
+        assert resumed[step]["loss"] == pytest.approx(two[step]["loss"], rel=1e-6), f"resumed loss at step {step}"
+    saved = load_file(lora_runs["two"] / "checkpoints" / "step_00000004" / "model.safetensors")
+    assert saved and all(".lora_" in key or ".merger." in key for key in saved)
+    _, info = AutoModelForImageTextToText.from_pretrained(lora_runs["two"] / "final", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    assert (lora_runs["two"] / "final" / "adapter" / "adapter_model.safetensors").is_file()
+
+
+# FSDP2 with LoRA, sharded with torch's fully_shard as accelerate's FSDP2 path does (FSDP2_WORKER says why): the
+# gradients of an fp32 step against one unsharded model; the sharded state dict (accelerate's checkpoint: DCP save
+# and load) holds the trained tensors only and restores them into a fresh sharded model; and a frozen bf16 base with
+# fp32 adapters in one unit shards and trains under accelerate's mixed precision (bf16 gathers, fp32 reduce).
+FSDP2_LORA_WORKER = """
+import dataclasses, json, sys
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from data.pipeline import build_data, load_processor
+from training.step import TrainModule
+from training.config import load_config
+from core.families import hf_config
+from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
+from training.modeling import build_model
+from training.packed import enable_packed_forward
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = load_config({recipe!r}, {overrides!r})
+processor = load_processor(cfg.model, cfg.data)
+packs = [next(iter(build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), r, 2)[0])) for r in (0, 1)]
+labels = sum(pack["num_label_tokens"] for pack in packs)
+
+def train_module(dtype=torch.float32, seed=0):
+    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
+    enable_packed_forward(model)
+    torch.manual_seed(seed)
+    apply_lora(model, cfg.lora, dtype)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            weight = layer.lora_B[ADAPTER].weight
+            weight.copy_(0.1 * torch.randn(weight.shape, generator=generator))
+    return TrainModule(model)
+
+def shard(module, **kwargs):
+    for unit in [m for m in module.modules() if type(m).__name__ in module._no_split_modules]:
+        fully_shard(unit, **kwargs)
+    fully_shard(module, **kwargs)
+    return module
+
+def worst_error(sharded, reference):
+    expected = dict(reference.named_parameters())
+    return max(
+        ((p.grad.full_tensor().float() - expected[n].grad).abs().max() / expected[n].grad.abs().max()).item()
+        for n, p in sharded.named_parameters() if p.requires_grad
+    )
+
+reference = train_module()
+for pack in packs:
+    (reference(pack) / labels).backward()
+sharded = shard(train_module())
+(sharded(packs[rank]) * 2 / labels).backward()  # FSDP averages gradients over the 2 ranks
+trained = sorted(n for n, p in sharded.named_parameters() if p.requires_grad)
+state = get_model_state_dict(sharded)
+dcp.save({{"model": state}}, checkpoint_id={checkpoint!r})
+fresh = shard(train_module(seed=1))
+loaded = get_model_state_dict(fresh)
+dcp.load({{"model": loaded}}, checkpoint_id={checkpoint!r})
+set_model_state_dict(fresh, loaded)
+restored = dict(fresh.named_parameters())
+mismatched = [n for n, p in sharded.named_parameters() if not torch.equal(p.full_tensor(), restored[n].full_tensor())]
+
+# the export: the full state dict gathered (frozen base included), the adapters merged, as the plain model's weights
+with full_state_dict(sharded.model):
+    full = get_model_state_dict(sharded, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+export_loads = None
+if rank == 0:
+    plain = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
+    merged = merged_state({{k.removeprefix("model."): v for k, v in full.items()}}, sharded.model)
+    export_loads = not plain.load_state_dict(merged).missing_keys
+
+policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+mixed = shard(train_module(torch.bfloat16), mp_policy=policy)
+(mixed(packs[rank]) * 2 / labels).backward()
+dtypes = sorted({{str(p.dtype) for p in mixed.parameters()}})
+report = dict(
+    rank=rank, worst=worst_error(sharded, reference), state_keys=sorted(state) == trained, trained=len(trained),
+    mismatched=mismatched, bf16_worst=worst_error(mixed, reference), dtypes=dtypes, export_loads=export_loads,
+)
+print("RESULT " + json.dumps(report), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_lora_under_fsdp2_matches_one_model_and_checkpoints_the_adapters(tmp_path):
+    """Under FSDP2 (per-layer shards over gloo) a LoRA step, one rank text-only, gives the unsharded model's adapter
+    and merger gradients (fp32); the sharded state dict that accelerate's checkpoint saves through DCP is the trained
+    tensors only and loads back strictly into a fresh sharded model, every tensor restored; the export's full state
+    dict, gathered with the frozen base and merged, loads strictly into the plain model; and the bf16 frozen base
+    beside fp32 adapters in one unit shards and trains under mixed precision (bf16 gathers, fp32 reduction), within
+    bf16 rounding of the fp32 gradients."""
+    data = write_mixed_dataset(tmp_path / "data")
+    overrides = [*COMMON, f"data.path={data}", f"data.cache_dir={tmp_path / 'cache'}"]
+    overrides += ["packing.balance_window_steps=1", "data.num_workers=0"]
+    worker = tmp_path / "fsdp2_lora_worker.py"
+    source = FSDP2_LORA_WORKER.format(
+        root=str(ROOT), recipe=str(ROOT / LORA), overrides=overrides, checkpoint=str(tmp_path / "dcp")
+    )
+    worker.write_text(source + WORKER_EXIT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    output = run_processes(command, tmp_path / "fsdp2_lora.log", "FSDP2 LoRA step")
+    results = [json.loads(match) for match in re.findall(r"RESULT (\{[^{}]*\})", output)]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    for result in results:
+        assert result["worst"] < 1e-4, f"rank {result['rank']}: worst relative gradient error {result['worst']}"
+        assert result["state_keys"] and result["trained"] > 0 and not result["mismatched"]
+        assert result["export_loads"] is (True if result["rank"] == 0 else None)
+        assert result["dtypes"] == ["torch.bfloat16", "torch.float32"]
+        assert result["bf16_worst"] < 5e-2, f"rank {result['rank']}: bf16 gradient error {result['bf16_worst']}"

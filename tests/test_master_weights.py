@@ -227,6 +227,44 @@ def test_one_step_equals_the_fp32_module_mode_bit_for_bit(data_cache, recipe):
     assert [name for name in weights if not torch.equal(weights[name], weights_o[name])] == []
 
 
+def test_lora_base_in_bf16_and_masters_in_the_optimizer_step_as_the_fp32_module_bit_for_bit(data_cache, monkeypatch):
+    """LoRA in bf16 (adapters on the language model, the merger trained fully): holding the frozen base in bf16, as
+    training/lora.py does, changes no bit of the first step against an fp32 base that autocast casts at every use (the
+    same bf16 weights reach every matmul, the loss casts the lm_head itself): the loss, every gradient the optimizer
+    sees, the gradient norm and every trained weight after AdamW; and train.master_weights=optimizer (bf16 adapters
+    and merger with fp32 masters) steps the same bits as module mode."""
+    from training import lora
+
+    cast_frozen_weights = lora.cast_frozen_weights
+    results = {}
+    variants = (("bf16 base", "module", True), ("fp32 base", "module", False), ("masters", "optimizer", True))
+    for name, mode, cast in variants:
+        monkeypatch.setattr(lora, "cast_frozen_weights", cast_frozen_weights if cast else lambda model, dtype: 0)
+        overrides = ("train.max_grad_norm=0", "lora.rank=4", "lora.trainable=[merger]")
+        with training(data_cache, mode, *overrides) as (cfg, accelerator, setup):
+            base = setup.module.model.model.language_model.layers[0].self_attn.q_proj.base_layer.weight
+            assert base.dtype == (torch.bfloat16 if cast else torch.float32) and not base.requires_grad
+            tensors = stepped_tensors(setup)
+            grads = {}
+
+            def snapshot(*_, tensors=tensors, grads=grads):
+                grads.update({key: t.grad.clone() for key, t in tensors.items()})
+
+            setup.optimizer.optimizer.register_step_pre_hook(snapshot)
+            steps = loop.Steps(accelerator, setup, cfg.train)
+            result = steps.run()
+            steps.close()
+            weights = {key: t.detach().clone() for key, t in tensors.items()}
+            results[name] = (result.loss_sum, result.grad_norm, grads, weights)
+    loss, norm, grads, weights = results.pop("bf16 base")
+    assert grads and all("lora_" in key or ".merger." in key for key in grads)
+    for other, (loss_o, norm_o, grads_o, weights_o) in results.items():
+        assert torch.equal(loss, loss_o) and torch.equal(norm, norm_o), other
+        assert grads.keys() == grads_o.keys() == weights_o.keys(), other
+        assert [key for key in grads if not torch.equal(grads[key], grads_o[key])] == [], other
+        assert [key for key in weights if not torch.equal(weights[key], weights_o[key])] == [], other
+
+
 def test_bf16_weights_are_the_rounded_masters_after_every_step(data_cache):
     """After each optimizer step the bf16 weights equal the fp32 masters rounded to bf16, bit for bit; the masters
     keep what bf16 cannot hold (updates smaller than a bf16 ulp accumulate), and no bf16 gradient is left behind."""

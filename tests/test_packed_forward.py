@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
+from tests.tiers import tiered
 from training import gated_delta
 from training.packed import (
     PACKED_ATTENTION,
@@ -105,6 +106,28 @@ def test_packed_equals_per_sample(tiny_samples, tiny_model, family, rope):
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=("qwen2_5_vl",)))
+def test_packed_equals_per_sample_with_lora(tiny_samples, tiny_model, family):
+    """With LoRA adapters on every linear layer of the language model, the ViT blocks and the mergers (lora_B drawn at
+    random, so the adapters change the logits), a pack of images, videos and text gives the logits, loss and every
+    adapter's gradient of the per-sample forward+backward (fp32, dropout 0): the adapters open no path across
+    samples. (The fused rope on an adapted model: tests/test_patch.py.)"""
+    from tests.test_lora import adapted, packed_logits
+
+    model = tiny_model(family)
+    enable_packed_forward(model)
+    samples = tiny_samples(model, (MIXED_PACK[0], MIXED_PACK[3], VIDEO_PACK[1]))
+    base_logits = packed_logits(model, pack_samples(model, samples))
+    adapted(model, vision=True, merger=True)
+    adapted_logits = packed_logits(model, pack_samples(model, samples))
+    assert (adapted_logits - base_logits).abs().max() > 1e-2 * base_logits.abs().max()
+    report = compare_packed_to_per_sample(model, samples)
+    assert_within(report, RELATIVE_TOLERANCE[torch.float32])
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert {d.name for d in report.grads} == trained
+    assert any(".visual.blocks." in name for name in trained) and any(".merger" in name for name in trained)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -501,6 +524,21 @@ def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
     out = capsys.readouterr().out
     assert status == 0, out
     assert out.count("\nunfused ") == 2 and "PASS" in out
+
+
+@pytest.mark.slow
+def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path, capsys):
+    """On a LoRA recipe, scripts/verify_packing.py applies the recipe's adapters (B drawn at random) and compares their
+    gradients, the only trained ones, packed vs per sample: it passes and names an adapter as the worst gradient."""
+    from scripts import verify_packing
+
+    overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
+    args = ["--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides]
+    status = verify_packing.main(args)
+    out = capsys.readouterr().out
+    assert status == 0, out
+    row = next(line for line in out.splitlines() if line.startswith("unfused "))
+    assert ".lora_" in row and "PASS" in out
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])

@@ -206,6 +206,27 @@ def test_patched_equals_unpatched_fp32_and_transformers_rotary_unused(tiny_model
     assert report.family == family
 
 
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=("qwen3_5",)))
+def test_patched_lora_model_equals_unpatched(tiny_model, family, reference_ops):
+    """As training builds it (rope patch, then LoRA adapters on the language model and the ViT blocks, lora_B drawn at
+    random), the patched model's logits, loss and every adapter gradient equal the same adapted model on
+    transformers' rotary math (fp32): the adapters wrap linear layers only, and the patch's ops still run."""
+    from tests.test_lora import adapted
+
+    reference, patched_model = tiny_model(family), tiny_model(family)
+    patch_model(patched_model)
+    for model in (reference, patched_model):
+        torch.manual_seed(0)  # the same lora_A initialisation on both
+        adapted(model, vision=True)
+    batch = image_batch(reference)
+    unpatched = forward_backward(reference, batch)
+    patched = forward_backward(patched_model, batch)
+    unpatch_model(patched_model)
+    assert reference_ops["mrope"].calls > 0 and reference_ops["vision"].calls > 0
+    assert patched.grads and all("lora_" in name for name in patched.grads)
+    assert_outputs_close(patched, unpatched, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_patched_bf16_within_rounding(tiny_model, family, reference_ops):
     """bf16: patched logits, loss and gradients stay within bf16 rounding of the unpatched bf16 model, measured

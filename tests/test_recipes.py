@@ -11,7 +11,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
 from core.families import MODEL_TYPES
-from training import metrics, parts
+from training import lora, metrics, parts
 from training.config import load_config
 from training.modeling import build_model
 
@@ -64,3 +64,31 @@ def test_accelerate_config_parses(path):
     assert config.distributed_type == expected[path.stem]
     if path.stem == "fsdp2":
         assert config.fsdp_config["fsdp_version"] == 2
+
+
+# each LoRA recipe and the full fine-tune recipe of the same model
+LORA_RECIPES = {f"lora-{full}": full for full in ("qwen2_5_vl-7b", "qwen3_vl-8b", "qwen3_5-9b")}
+
+
+@pytest.mark.parametrize(("recipe", "full"), sorted(LORA_RECIPES.items()))
+def test_lora_recipes_train_their_full_recipes_model_on_one_gpu(recipe, full):
+    """Each 7B/8B/9B LoRA recipe trains the checkpoint its full fine-tune recipe trains, with the same model section
+    (dtype, gradient checkpointing), on 16k-token packs; it launches on one GPU and labels its memory an estimate."""
+    path = Path(f"recipes/{recipe}.yaml")
+    cfg, full_cfg = load_config(str(path)), load_config(f"recipes/{full}.yaml")
+    assert cfg.lora is not None and cfg.model == full_cfg.model
+    assert cfg.packing.max_tokens == 16384 and cfg.kernels == full_cfg.kernels
+    text = path.read_text()
+    assert f"python train.py --config {path}" in text and "estimate" in text
+
+
+def test_tiny_lora_recipe_adapts_and_counts_its_flops():
+    """recipes/lora-tiny.yaml builds for real with its adapters: only adapters and the parts it names train, and its
+    FLOP profile counts weight gradients for those only."""
+    cfg = load_config("recipes/lora-tiny.yaml")
+    model = build_model(cfg.model)
+    lora.apply_lora(model, cfg.lora, torch.float32)
+    profile = metrics.FlopProfile.from_model(model)
+    assert 0 < profile.llm_trained_params < profile.llm_matmul_params
+    assert 0 < profile.vit_trained_params < profile.vit_matmul_params  # lora.vision: adapters in the ViT blocks
+    assert profile.merger_trained_params == profile.merger_matmul_params  # lora.trainable: [merger]

@@ -11,10 +11,14 @@ written to `final.partial/` and renamed, so `final/` exists only once complete a
 A write that fails (a full disk or quota, an I/O error: torch.save and safetensors report them as RuntimeError and
 SafetensorError, not OSError) removes what it wrote, leaves every complete checkpoint as it was, and raises
 WriteError on every rank: one line naming the path, the error, the bytes needed and the bytes free there.
+
+With LoRA a checkpoint's model state is the adapters and fully trained parts only (training/lora.py), and the export
+adds `final/adapter/` in peft's format; `final/` holds the merged model unless `lora.merge_on_export` is false.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -26,7 +30,8 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from training.config import CheckpointConfig
+from training import lora
+from training.config import CheckpointConfig, LoraConfig
 from training.distributed import HostCollectives
 
 log = logging.getLogger(__name__)
@@ -222,28 +227,37 @@ def export_complete(out_dir: Path) -> bool:
 
 
 def export(
-    accelerator: Accelerator, model: torch.nn.Module, processor: Any, out_dir: Path, dtype: str, host: HostCollectives
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    processor: Any,
+    out_dir: Path,
+    dtype: str,
+    host: HostCollectives,
+    lora_cfg: LoraConfig | None = None,
+    base_model: str | None = None,
 ) -> Path:
     """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
 
     `model` is the prepared training module (`step.TrainModule`): its `.model` is the HF model; the full state
     dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
-    it to `out_dir` (see `export_complete`). A failed write removes the partial export and raises WriteError on
-    every rank (`host` tells them).
+    it to `out_dir` (see `export_complete`). With LoRA (`lora_cfg`) the adapter goes to `<out_dir>/adapter/` in
+    peft's format (for `base_model`, the run's `model.name_or_path`) and, with `lora.merge_on_export`, the model
+    with the adapters merged into its weights to `out_dir` itself; the processor always goes to `out_dir`. A failed
+    write removes the partial export and raises WriteError on every rank (`host` tells them).
     """
-    state = accelerator.get_state_dict(model)
+    hf_model = accelerator.unwrap_model(model).model
+    with lora.full_state_dict(hf_model) if lora_cfg is not None else contextlib.nullcontext():
+        state = accelerator.get_state_dict(model)
     partial = out_dir.with_name(out_dir.name + ".partial")
     failure = None
     if accelerator.is_main_process:
         target = getattr(torch, dtype)
-        weights = {
-            key.removeprefix("model."): value.to(target) if value.is_floating_point() else value
-            for key, value in state.items()
-        }
+        weights = {key.removeprefix("model."): value for key, value in state.items()}
         try:
-            _write_export(accelerator.unwrap_model(model).model, weights, processor, partial, out_dir, dtype)
+            _write_export(hf_model, weights, processor, partial, out_dir, target, lora_cfg, base_model)
         except Exception as error:  # every rank must reach the agreement below
-            needed = sum(t.numel() * t.element_size() for t in weights.values())
+            size = torch.empty((), dtype=target).element_size()
+            needed = sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in weights.values())
             failure = write_failure("the export", partial, error, needed)
             shutil.rmtree(partial, ignore_errors=True)
     failures = [f for f in host.gather(failure) if f]
@@ -255,12 +269,29 @@ def export(
     return out_dir
 
 
-def _write_export(hf_model, weights: dict, processor: Any, partial: Path, out_dir: Path, dtype: str) -> None:
+def _write_export(
+    hf_model,
+    weights: dict,
+    processor: Any,
+    partial: Path,
+    out_dir: Path,
+    target: torch.dtype,
+    lora_cfg: LoraConfig | None,
+    base_model: str | None,
+) -> None:
+    """Write `partial` (the adapter with LoRA; the weights in `target`, merged with LoRA unless told not to; the
+    processor), sync it, and rename it to `out_dir`."""
     shutil.rmtree(partial, ignore_errors=True)
-    hf_model.save_pretrained(partial, state_dict=weights)
-    # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `dtype`.
-    hf_model.config.dtype = dtype
-    hf_model.config.save_pretrained(partial)
+    if lora_cfg is not None:
+        lora.export_adapter(partial / lora.ADAPTER_DIR, weights, hf_model, lora_cfg, base_model, target)
+    if lora_cfg is None or lora_cfg.merge_on_export:
+        if lora_cfg is not None:
+            weights = lora.merged_state(weights, hf_model)
+        weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+        hf_model.save_pretrained(partial, state_dict=weights)
+        # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `target`.
+        hf_model.config.dtype = str(target).removeprefix("torch.")
+        hf_model.config.save_pretrained(partial)
     processor.save_pretrained(partial)
     _sync_tree(partial)
     shutil.rmtree(out_dir, ignore_errors=True)

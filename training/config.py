@@ -1,5 +1,5 @@
 """The recipe schema: one typed tree with sections model, data, packing, kernels, parallel, train, checkpoint,
-logging.
+logging, and lora (absent for a full fine-tune).
 
 `load_config(path, overrides)` is the single entry point; train.py and every script use it.
 """
@@ -41,6 +41,46 @@ class ModelConfig:
             recipe_model_config(self.config)  # a missing or malformed file fails here, naming model.config
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ConfigError("model.freeze_vision, freeze_merger and freeze_llm are all true: nothing would train.")
+
+
+LoraTrainable = Literal["vision", "merger", "embed_tokens", "lm_head"]
+
+
+@dataclass
+class LoraConfig:
+    rank: int = 8  # r: the adapters' inner dimension
+    alpha: float | None = None  # scaling = alpha / rank (alpha / sqrt(rank) with use_rslora); null = 2 * rank
+    dropout: float = 0.0  # dropout on each adapter's input; > 0 makes packed and per-sample runs draw different masks
+    # the language model's linear layers to adapt: "all-linear" (every nn.Linear of the decoder, not lm_head), or
+    # names that end module paths there (e.g. [q_proj, v_proj])
+    target_modules: Literal["all-linear"] | list[str] = "all-linear"
+    vision: bool = False  # also adapt every linear layer of the ViT blocks (the same target names apply)
+    merger: bool = False  # also adapt the merger's linear layers (deepstack mergers included)
+    trainable: list[LoraTrainable] = field(default_factory=list)  # parts trained fully beside the adapters
+    use_rslora: bool = False  # rank-stabilised scaling alpha / sqrt(rank) (peft's use_rslora)
+    merge_on_export: bool = True  # final/ holds the merged model beside final/adapter/; false: the adapter only
+
+    def validate(self) -> None:
+        if self.rank < 1:
+            raise ConfigError(f"lora.rank must be >= 1, got {self.rank}.")
+        if self.alpha is not None and self.alpha <= 0:
+            raise ConfigError(f"lora.alpha must be > 0 (or null for 2 * rank), got {self.alpha}.")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"lora.dropout must be in [0, 1), got {self.dropout}.")
+        if isinstance(self.target_modules, list) and (not self.target_modules or not all(self.target_modules)):
+            raise ConfigError("lora.target_modules must be all-linear or a non-empty list of module names.")
+        for part in ("vision", "merger"):
+            if getattr(self, part) and part in self.trainable:
+                raise ConfigError(
+                    f"lora.{part}=true adapts the {part} while lora.trainable lists it to train fully: choose one "
+                    f"(lora.{part}=false, or remove {part} from lora.trainable)."
+                )
+        if len(set(self.trainable)) != len(self.trainable):
+            raise ConfigError(f"lora.trainable lists a part twice: {self.trainable}.")
+
+    @property
+    def scaling_alpha(self) -> float:
+        return 2.0 * self.rank if self.alpha is None else self.alpha
 
 
 @dataclass
@@ -168,6 +208,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    lora: LoraConfig | None = None  # LoRA adapters on a frozen base (docs/lora.md); null = full fine-tune
 
     def validate(self) -> None:
         """Checks across sections (each section checks its own fields)."""
@@ -186,11 +227,29 @@ class Config:
                 f"parallel.context={self.parallel.context} splits packs across ranks: it needs packing.mode=packed "
                 "(or parallel.context=1)."
             )
+        if self.lora is not None:
+            self._validate_lora(self.lora)
         for part in ("vision", "merger"):
             if getattr(self.model, f"freeze_{part}") and getattr(self.train, f"lr_{part}") is not None:
                 raise ConfigError(
                     f"train.lr_{part} is set but model.freeze_{part} is true: unset one of them "
                     f"(train.lr_{part}=null or model.freeze_{part}=false)."
+                )
+
+    def _validate_lora(self, lora: LoraConfig) -> None:
+        parts = ("vision", "merger", "llm")
+        frozen = [f"model.freeze_{part}" for part in parts if getattr(self.model, f"freeze_{part}")]
+        if frozen:
+            raise ConfigError(
+                f"{', '.join(frozen)} and lora are both set: with lora the whole base model is frozen and only the "
+                "adapters and lora.trainable train. Unset model.freeze_*; choose what trains with lora.vision, "
+                "lora.merger and lora.trainable."
+            )
+        for part in ("vision", "merger"):
+            if getattr(self.train, f"lr_{part}") is not None and not (getattr(lora, part) or part in lora.trainable):
+                raise ConfigError(
+                    f"train.lr_{part} is set but nothing of the {part} trains under lora: set lora.{part}=true (adapt "
+                    f"it), add {part} to lora.trainable (train it fully), or set train.lr_{part}=null."
                 )
 
 

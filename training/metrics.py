@@ -53,59 +53,65 @@ def peak_flops(device: torch.device, override_tflops: float | None = None) -> fl
 
 
 # Attention backward is 2× its forward (dV = PᵀdO, dP = dO·Vᵀ, dQ = dS·K, dK = dSᵀ·Q: four matmuls against QKᵀ
-# and PV), so forward + backward = 3× forward whenever gradients flow through it — always, for the LLM.
+# and PV), so forward + backward = 3× forward whenever gradients flow through it.
 ATTENTION_TRAIN_FACTOR = 3
 
 
-def _train_factor(trains: bool, grads_flow_through: bool) -> int:
-    """Matmul passes per forward FLOP: 1 forward + 1 input-gradient (if gradients flow) + 1 weight-gradient."""
-    return 1 + int(trains or grads_flow_through) + int(trains)
-
-
-def _matmul_params(module: nn.Module, moe_active_fraction: float = 1.0) -> int:
+def _matmul_params(module: nn.Module, moe_active_fraction: float = 1.0, trained_only: bool = False) -> int:
     """Weights that multiply every token once: parameters with ndim >= 2 outside embedding tables (lookups, not
-    matmuls). Fused MoE expert banks (names containing 'experts') count only the routed fraction top_k / n_experts."""
+    matmuls), LoRA adapters included; only the trainable ones if `trained_only`. Fused MoE expert banks (names
+    containing 'experts') count only the routed fraction top_k / n_experts."""
     lookup = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
     total = 0.0
     for name, param in module.named_parameters():
-        if param.ndim < 2 or id(param) in lookup:
+        if param.ndim < 2 or id(param) in lookup or (trained_only and not param.requires_grad):
             continue
         total += param.numel() * (moe_active_fraction if "experts" in name.split(".") else 1.0)
     return round(total)
+
+
+def _trains(modules: Iterable[nn.Module]) -> bool:
+    return any(p.requires_grad for m in modules for p in m.parameters())
+
+
+def _matmul_flops(params: int, trained_params: int, input_grads: bool, rows: int) -> float:
+    """Training FLOPs of `rows` rows through weights of `params` parameters: 2·N forward, 2·N more for the input
+    gradients when gradients flow back through them, 2·N_trained for the weight gradients of the trainable ones."""
+    return 2.0 * rows * (params * (1 + int(input_grads)) + trained_params)
 
 
 @dataclass(frozen=True)
 class FlopProfile:
     """The per-token and per-document constants of one model, read once (see `pack_flops` for how they're used)."""
 
-    llm_matmul_params: int  # active decoder weights per token (embeddings and lm_head excluded)
+    llm_matmul_params: int  # active decoder weights per token, LoRA adapters included (embeddings, lm_head excluded)
+    llm_trained_params: int  # the trainable ones among them: they also get a weight gradient
+    llm_input_grads: bool  # gradients flow back through the LLM's layers (a decoder or an upstream weight trains)
     lm_head_params: int  # vocabulary x hidden width, per labelled row (the loss multiplies no other row)
+    lm_head_trained_params: int  # lm_head_params if the lm_head trains, else 0
     llm_attn_layers: int  # softmax-attention decoder layers
     llm_attn_width: int  # num_attention_heads * head_dim
     llm_linear_layers: int  # Gated DeltaNet layers (Qwen3.5)
     llm_linear_state: int  # value heads * key head dim * value head dim of one Gated DeltaNet layer
     vit_matmul_params: int  # patch embedding + blocks, per patch
+    vit_trained_params: int
+    vit_input_grads: bool  # a ViT weight trains
     merger_matmul_params: int  # merger(s), per merged token
+    merger_trained_params: int
+    merger_input_grads: bool  # a merger or ViT weight trains
     vit_full_layers: int  # ViT blocks attending over a whole frame
     vit_window_layers: int  # ViT blocks attending within windows (Qwen2.5-VL)
     vit_attn_width: int  # ViT heads * head_dim
     spatial_merge_size: int
     window_merged: int  # window side in merged tokens (0 = no window attention)
-    llm_factor: int
-    vit_factor: int
-    vit_attn_factor: int
-    merger_factor: int
 
     @classmethod
     def from_model(cls, model: nn.Module) -> FlopProfile:
-        """Read the constants from a *ForConditionalGeneration model; trainable parts come from requires_grad."""
+        """Read the constants from a *ForConditionalGeneration model (LoRA adapters injected or not); what trains
+        comes from requires_grad."""
         config = model.config
         text, vision = config.text_config, config.vision_config
-        vision_tower, mergers, language_model = (
-            parts.vision_parts(model),
-            parts.merger_parts(model),
-            parts.llm_parts(model),
-        )
+        vision_tower, mergers = parts.vision_parts(model), parts.merger_parts(model)
         decoder = parts.inner_model(model).language_model
         moe_fraction = 1.0
         if getattr(text, "num_experts", None):
@@ -121,13 +127,14 @@ class FlopProfile:
             window_layers = depth - len(vision.fullatt_block_indexes)
             window_merged = vision.window_size // vision.spatial_merge_size // vision.patch_size
 
-        def trains(modules: Iterable[nn.Module]) -> bool:
-            return any(p.requires_grad for m in modules for p in m.parameters())
-
-        vit_trains, merger_trains, llm_trains = trains(vision_tower), trains(mergers), trains(language_model)
+        vit_trains, merger_trains = _trains(vision_tower), _trains(mergers)
+        decoder_trains = _trains([decoder])  # the lm_head is downstream of it all
         return cls(
             llm_matmul_params=_matmul_params(decoder, moe_fraction),
+            llm_trained_params=_matmul_params(decoder, moe_fraction, trained_only=True),
+            llm_input_grads=decoder_trains or vit_trains or merger_trains,
             lm_head_params=_matmul_params(model.lm_head),  # a tied one too: the lookup is free, the matmul is not
+            lm_head_trained_params=_matmul_params(model.lm_head, trained_only=True),
             llm_attn_layers=sum(t == "full_attention" for t in layer_types),
             llm_attn_width=text.num_attention_heads * head_dim,
             llm_linear_layers=sum(t == "linear_attention" for t in layer_types),
@@ -137,16 +144,16 @@ class FlopProfile:
                 * getattr(text, "linear_value_head_dim", 0)
             ),
             vit_matmul_params=sum(_matmul_params(m) for m in vision_tower),
+            vit_trained_params=sum(_matmul_params(m, trained_only=True) for m in vision_tower),
+            vit_input_grads=vit_trains,
             merger_matmul_params=sum(_matmul_params(m) for m in mergers),
+            merger_trained_params=sum(_matmul_params(m, trained_only=True) for m in mergers),
+            merger_input_grads=merger_trains or vit_trains,
             vit_full_layers=depth - window_layers,
             vit_window_layers=window_layers,
             vit_attn_width=vit_width,
             spatial_merge_size=vision.spatial_merge_size,
             window_merged=window_merged,
-            llm_factor=_train_factor(llm_trains, vit_trains or merger_trains),
-            vit_factor=_train_factor(vit_trains, False),
-            vit_attn_factor=ATTENTION_TRAIN_FACTOR if vit_trains else 1,
-            merger_factor=_train_factor(merger_trains, vit_trains),
         )
 
 
@@ -165,15 +172,21 @@ def pack_flops(
     image_grids: (t, h, w) in patches for each image/video in the pack.
     label_tokens: the pack's labelled positions (`num_label_tokens`; the whole pack's under context parallelism).
 
-    Derivation (a multiply-add is 2 FLOPs; backward costs 2× forward when weights train — one matmul for the input
-    gradient, one for the weight gradient — 1× when only gradients flow through, 0× when nothing upstream trains;
-    that multiplier + 1 is the `*_factor`; attention and the delta rule have no weights, their backward is 2× forward):
+    Derivation (a multiply-add is 2 FLOPs; what runs is counted, `_matmul_flops`: every weight's forward; its input
+    gradient, as much again, where gradients flow back through it — through a part when one of its weights or one
+    upstream trains; its weight gradient, as much again, only if it trains. So a full fine-tune counts 6·N per token,
+    frozen weights under trained ones 4·N, a frozen ViT below a frozen merger 2·N, and LoRA 4·N for the frozen base
+    plus 6·r·(in + out) per adapted layer (the adapters are weights of the part, trainable). At a part's input the
+    first weights' input gradient is counted though autograd skips it when nothing upstream trains (a trained merger's
+    first layer above a frozen ViT; the ViT's patch embedding, whose input is pixels): a small over-count. Under LoRA
+    the embeddings' output takes a gradient (training/lora.py), so the decoder's count is exact.
+    Attention and the delta rule have no weights; their backward is 2× forward where gradients flow):
       * Decoder layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
-        `llm_matmul_params` (MoE experts scaled by top_k/n_experts). LLM: 2·N·Σsᵢ·factor.
+        `llm_matmul_params` (adapters included; MoE experts scaled by top_k/n_experts), over Σsᵢ tokens.
       * lm_head: 2·V·H forward per labelled row (`lm_head_params` = V·H): the loss multiplies only the rows that
         have a label (training/loss.py), so the others cost nothing and count nothing. A tied lm_head (Qwen2.5-VL-3B,
-        Qwen3-VL-2B) is the embedding table, whose lookup is free, but its matmul runs: it counts the same.
-        2·V·H·labels·factor.
+        Qwen3-VL-2B) is the embedding table, whose lookup is free, but its matmul runs: it counts the same. Its
+        input gradient flows where the decoder's does; its weight gradient only if it trains.
       * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair over the
         s² pairs of a sample of length s, so forward = 4·H·d·s² — per document (Σ sᵢ², never T²), because packed
         samples do not attend to each other. Counted as a full square like verl and MegatronLM's formulas (the
@@ -188,23 +201,26 @@ def pack_flops(
     p = profile
     tokens = sum(sample_lengths)
     document_pairs = sum(s * s for s in sample_lengths)
-    flops = 2.0 * p.llm_matmul_params * tokens * p.llm_factor
-    flops += 2.0 * p.lm_head_params * label_tokens * p.llm_factor
-    flops += 4.0 * p.llm_attn_width * document_pairs * p.llm_attn_layers * ATTENTION_TRAIN_FACTOR
-    flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * ATTENTION_TRAIN_FACTOR
+    llm_attn_factor = ATTENTION_TRAIN_FACTOR if p.llm_input_grads else 1
+    vit_attn_factor = ATTENTION_TRAIN_FACTOR if p.vit_input_grads else 1
+    flops = _matmul_flops(p.llm_matmul_params, p.llm_trained_params, p.llm_input_grads, tokens)
+    flops += _matmul_flops(p.lm_head_params, p.lm_head_trained_params, p.llm_input_grads, label_tokens)
+    flops += 4.0 * p.llm_attn_width * document_pairs * p.llm_attn_layers * llm_attn_factor
+    flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * llm_attn_factor
 
     m = p.spatial_merge_size
     for t, h, w in image_grids:
         patches = t * h * w
-        flops += 2.0 * p.vit_matmul_params * patches * p.vit_factor
-        flops += 2.0 * p.merger_matmul_params * (patches // (m * m)) * p.merger_factor
+        flops += _matmul_flops(p.vit_matmul_params, p.vit_trained_params, p.vit_input_grads, patches)
+        merged = patches // (m * m)
+        flops += _matmul_flops(p.merger_matmul_params, p.merger_trained_params, p.merger_input_grads, merged)
         full_pairs = t * (h * w) ** 2
-        flops += 4.0 * p.vit_attn_width * full_pairs * p.vit_full_layers * p.vit_attn_factor
+        flops += 4.0 * p.vit_attn_width * full_pairs * p.vit_full_layers * vit_attn_factor
         if p.vit_window_layers:
             rows = _window_square_sum(h // m, p.window_merged)
             cols = _window_square_sum(w // m, p.window_merged)
             window_pairs = t * m**4 * rows * cols
-            flops += 4.0 * p.vit_attn_width * window_pairs * p.vit_window_layers * p.vit_attn_factor
+            flops += 4.0 * p.vit_attn_width * window_pairs * p.vit_window_layers * vit_attn_factor
     return flops
 
 

@@ -22,7 +22,18 @@ from accelerate.utils import DistributedType, set_seed
 from data.pipeline import StepLoader, build_data, load_processor
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import context_parallel, defaults, distributed, master_weights, metrics, optim, parts, step, vision_plan
+from training import (
+    context_parallel,
+    defaults,
+    distributed,
+    lora,
+    master_weights,
+    metrics,
+    optim,
+    parts,
+    step,
+    vision_plan,
+)
 from training.compile import compile_blocks
 from training.config import Config
 from training.modeling import build_model
@@ -74,8 +85,9 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible; its `auto`
     settings are resolved for this launch first (training/defaults.py).
 
-    The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing and gradient
-    checkpointing before the optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
+    The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing (or, with `lora`,
+    adapters on a frozen base held in `model.dtype`: training/lora.py) and gradient checkpointing before the
+    optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
     `model.dtype`), or with `train.master_weights=optimizer` its matmul weights are cast to `model.dtype` and the
     optimizer steps fp32 copies of them beside its other, fp32 parameters (training/master_weights.py). With
     `train.compile` its blocks are then compiled in place (training/compile.py), before accelerate wraps them. With
@@ -109,9 +121,12 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             cp.context_rank,
             cp.data_rank,
         )
-    parts.freeze(
-        model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
-    )
+    if cfg.lora is not None:
+        lora.apply_lora(model, cfg.lora, getattr(torch, cfg.model.dtype))
+    else:
+        parts.freeze(
+            model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
+        )
     parts.enable_gradient_checkpointing(
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )

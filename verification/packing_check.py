@@ -423,6 +423,18 @@ def _add_fp32_copy(report, model, samples, batch, num_labels, runs: tuple[_Run, 
             difference.packed_rounding = error(difference.name, packed, exact_packed)
 
 
+def randomize_adapters(model: torch.nn.Module, seed: int = 0, scale: float = 0.1) -> None:
+    """Draw every LoRA adapter's B (training/lora.py) from N(0, scale²): peft initialises B to zero, so at step 0 the
+    adapters add nothing and a packed vs per-sample comparison would pass through them vacuously."""
+    from training.lora import ADAPTER, lora_layers
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in lora_layers(model).values():
+            weight = layer.lora_B[ADAPTER].weight
+            weight.copy_(scale * torch.randn(weight.shape, generator=generator))
+
+
 @dataclass(frozen=True)
 class SampleSpec:
     """Layout of a synthetic sample: text lengths around images, then videos. `images` are (h, w) patch grids
