@@ -74,9 +74,14 @@ def spread(values: list[float]) -> dict:
 
 
 def lm_head_flops(profile: metrics.FlopProfile, tokens: int, labels: int) -> dict:
-    """The lm_head's training FLOPs of a pack counted both ways (6·V·H per row when it trains)."""
-    per_row = 2.0 * profile.lm_head_params * profile.llm_factor
-    return {"labelled_rows": per_row * labels, "every_row": per_row * tokens}
+    """The lm_head's training FLOPs of a pack counted both ways, by the FLOP model's own per-row rule."""
+
+    def count(rows: int) -> float:
+        return metrics._matmul_flops(
+            profile.lm_head_params, profile.lm_head_trained_params, profile.llm_input_grads, rows
+        )
+
+    return {"labelled_rows": count(labels), "every_row": count(tokens)}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -139,8 +139,10 @@ def test_lm_head_bench_puts_training_rows_back_and_counts_both_ways(monkeypatch)
     with pytest.raises(RuntimeError, match="stub"):
         bench_lm_head.timed_step(setup, accelerator, [], "every_row", 1.0)
     assert step.labelled_rows is bench_lm_head.LABELLED_ROWS
-    profile = SimpleNamespace(lm_head_params=10, llm_factor=3)
+    profile = SimpleNamespace(lm_head_params=10, lm_head_trained_params=10, llm_input_grads=True)
     assert bench_lm_head.lm_head_flops(profile, tokens=100, labels=15) == {"labelled_rows": 900.0, "every_row": 6000.0}
+    frozen_head = SimpleNamespace(lm_head_params=10, lm_head_trained_params=0, llm_input_grads=True)  # LoRA: 4·V·H
+    assert bench_lm_head.lm_head_flops(frozen_head, tokens=100, labels=15)["labelled_rows"] == 600.0
 
 
 @pytest.mark.slow
