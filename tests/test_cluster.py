@@ -489,6 +489,29 @@ def test_loader_workers_and_their_server_outlive_a_stop_signal():
     assert all(process.is_running() for process in processes)
 
 
+FAILING_EVAL = (
+    "from training import loop as _loop\n"
+    "def _evaluate(accelerator, module, loader, batches, start):\n"
+    "    for batch in loader:  # as training.step.evaluate: the error comes with the loader's iterator started\n"
+    "        raise RuntimeError('CUDA out of memory (injected)')\n"
+    "_loop.evaluate = _evaluate\n"
+)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", ["step", "eval"])
+def test_an_error_ends_the_process_and_its_loader_workers(data_cache, tmp_path, where):
+    """An error in a step or an evaluation (a CUDA out-of-memory, say) while loader workers run: the process prints
+    the error and exits with a non-zero status. The workers ignore SIGTERM, so the interpreter's exit, which
+    terminates and then joins its child processes, would wait forever on workers whose iterator is still alive: the
+    prefetcher's thread iterates the training loader until the loop shuts it down."""
+    patch = during_step(2, "raise RuntimeError('CUDA out of memory (injected)')") if where == "step" else FAILING_EVAL
+    log = tmp_path / "child.log"
+    outcome = run_logged(child_command(tmp_path / "run", data_cache, patch, "data.num_workers=2"), log, 240)
+    assert outcome.code == 1, log.read_text()  # None: killed at the timeout, still running
+    assert "RuntimeError: CUDA out of memory (injected)" in log.read_text()
+
+
 LAUNCHED = """
 import os, signal, sys, time
 sys.path.insert(0, {root!r})

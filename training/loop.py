@@ -99,36 +99,42 @@ def train(
     steps = Steps(accelerator, setup, tcfg)
     first_nonfinite_step = torch.zeros((), dtype=torch.long, device=accelerator.device)  # 0 = none yet; no sync
     last_saved: Path | None = None
-    for step in range(start_step + 1, tcfg.max_steps + 1):
-        started = time.perf_counter()
-        result = steps.run()
-        if tcfg.compile and step == start_step + 1:
-            logger.emit(_first_compiled_step(step, result, started))
-        logger.record_step(step, result.lr, result.host_batches, result.loss_sum, result.label_count, result.grad_norm)
-        nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
-        first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
-        stopping = step < tcfg.max_steps and stop_requested()  # the last step ends the run as usual
-        do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
-        periodic_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
-        do_save = stopping or (periodic_save and step < tcfg.max_steps)
-        # An evaluation or a checkpoint also ends the log interval: metrics.jsonl (and wandb, which drops a step
-        # older than one it has seen) stays in step order, and a resume from the checkpoint finds every earlier step.
-        if logger.due(step) or do_eval or do_save:
-            _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
-            logger.log()
-        if do_eval or do_save:
-            with logger.paused():
-                if do_eval:
-                    eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
-                    logger.emit({"step": step, "eval_loss": eval_loss})
-                if do_save:  # the check above ran for this step: no NaN weights are saved
-                    last_saved = checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
-        if stopping:
-            logger.close()
-            steps.close()
-            raise Preempted(step, last_saved)
-    timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
-    steps.close()
+    try:
+        for step in range(start_step + 1, tcfg.max_steps + 1):
+            started = time.perf_counter()
+            result = steps.run()
+            if tcfg.compile and step == start_step + 1:
+                logger.emit(_first_compiled_step(step, result, started))
+            logger.record_step(
+                step, result.lr, result.host_batches, result.loss_sum, result.label_count, result.grad_norm
+            )
+            nonfinite = ~(torch.isfinite(result.loss_sum) & torch.isfinite(result.grad_norm))
+            first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
+            stopping = step < tcfg.max_steps and stop_requested()  # the last step ends the run as usual
+            do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
+            periodic_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
+            do_save = stopping or (periodic_save and step < tcfg.max_steps)
+            # An evaluation or a checkpoint also ends the log interval: metrics.jsonl (and wandb, which drops a
+            # step older than one it has seen) stays in step order, and a resume from the checkpoint finds every
+            # earlier step.
+            if logger.due(step) or do_eval or do_save:
+                _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
+                logger.log()
+            if do_eval or do_save:
+                with logger.paused():
+                    if do_eval:
+                        eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
+                        logger.emit({"step": step, "eval_loss": eval_loss})
+                    if do_save:  # the check above ran for this step: no NaN weights are saved
+                        last_saved = checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
+            if stopping:
+                logger.close()
+                raise Preempted(step, last_saved)
+        timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
+    finally:
+        # On an error too: the loader's workers ignore SIGTERM (data/pipeline.py), so while the prefetcher still
+        # iterated the loader, the interpreter's exit would wait on them forever.
+        steps.close()
     if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
         eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
         logger.emit({"step": tcfg.max_steps, "eval_loss": eval_loss})
