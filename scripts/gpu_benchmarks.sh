@@ -14,9 +14,13 @@
 #                     its run-to-run spread test (scripts/distributed_parity.py, then scripts/curve_spread.py)
 #   warm-qwen3_5      one untimed Qwen3.5 run, so later runs find fla's kernels compiled and autotuned
 #   profile-3b        where the 3B shape's step time goes (scripts/profile_step.py)
+#   lm-head-3b lm-head-qwen3_5
+#                     the step with the loss over the labelled rows against over every row (scripts/bench_lm_head.py;
+#                     run warm-qwen3_5 first on a fresh machine)
 #   lora-7b lora-8b lora-9b
 #                     the model's LoRA recipe on one GPU beside its full fine-tune on 2 GPUs (fsdp2), full depth,
-#                     random init: tokens/s, MFU, peak memory (scripts/bench_lora.py; needs 2 GPUs)
+#                     random init: tokens/s, MFU, peak memory (scripts/bench_lora.py; the full fine-tune
+#                     needs 2 GPUs: LORA_MODES=lora on one)
 #
 # Default stages: kernels packing rope-3b rope-8b warm-qwen3_5 rope-qwen3_5.
 #   REPEATS=3 STEPS=12 WARMUP=5 SAMPLES=800 COMPARE_LIMIT=540 RUN_LIMIT=300 bash scripts/gpu_benchmarks.sh OUT ...
@@ -56,11 +60,16 @@ for stage in $STAGES; do
     warm-qwen3_5) step warm_qwen3_5 600 $PY train.py --config recipes/bench-qwen3_5-shape.yaml train.max_steps=12 \
         data.num_samples="$SAMPLES" data.num_workers=8 logging.report_to=none train.output_dir="$OUT/warm_qwen3_5" ;;
     lora-7b | lora-8b | lora-9b) step "lora_${stage#lora-}" 1500 $PY -m scripts.bench_lora --out "$OUT/bench_lora.json" \
-        --models "${stage#lora-}" data.num_samples="$SAMPLES" data.num_workers=8 ;;
+        --models "${stage#lora-}" --modes "${LORA_MODES:-lora,full}" data.num_samples="$SAMPLES" \
+        data.num_workers=8 ;;
+    lm-head-3b) step lm_head_3b 300 $PY -m scripts.bench_lm_head --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
+        --out "$OUT/lm_head_3b.json" data.num_samples=600 data.num_workers=8 ;;
+    lm-head-qwen3_5) step lm_head_qwen3_5 600 $PY -m scripts.bench_lm_head --config recipes/bench-qwen3_5-shape.yaml \
+        --out "$OUT/lm_head_qwen3_5.json" data.num_samples=600 data.num_workers=8 ;;
     profile-3b) step profile_3b 300 $PY -m scripts.profile_step --config recipes/bench-qwen2_5_vl-3b-shape.yaml \
         --out "$OUT/profile_3b" data.num_samples=600 data.num_workers=8 logging.report_to=none ;;
     *) echo "unknown stage $stage (kernels packing rope-3b rope-8b rope-qwen3_5 fast-3b fast-8b fast-qwen3_5"\
-      "curve-3b warm-qwen3_5 profile-3b lora-7b lora-8b lora-9b)"; exit 2 ;;
+      "curve-3b warm-qwen3_5 profile-3b lm-head-3b lm-head-qwen3_5 lora-7b lora-8b lora-9b)"; exit 2 ;;
   esac
 done
 report
