@@ -113,6 +113,15 @@ def step_records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in run_files.training_records(run_dir)}
 
 
+def assert_same_steps(run_dir: Path, reference: Path, grad_norm_rel: float = 1e-5) -> None:
+    """`run_dir` logged the steps of `reference`, each with its loss (relative 1e-5) and gradient norm."""
+    ours, theirs = step_records(run_dir), step_records(reference)
+    assert sorted(ours) == sorted(theirs)
+    for step in ours:
+        assert ours[step]["loss"] == pytest.approx(theirs[step]["loss"], rel=1e-5), f"loss at step {step}"
+        assert ours[step]["grad_norm"] == pytest.approx(theirs[step]["grad_norm"], rel=grad_norm_rel), step
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The three launches the tests read: two processes (with the export), one process accumulating two packs
@@ -160,12 +169,10 @@ def test_two_processes_match_one_process_on_the_same_global_batch(runs):
     """Two ranks (one of them text-only every step) train without hanging, and their loss and gradient norm per
     step equal one process accumulating the same two packs: the loss is normalised by the global label count and
     the text-only rank's dummy image adds exactly nothing."""
-    two, one = step_records(runs["two"]), step_records(runs["one"])
     assert json.loads((runs["two"] / "summary.json").read_text())["num_processes"] == 2
-    assert sorted(two) == sorted(one) == list(range(1, STEPS + 1))
-    for step in two:
-        assert two[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), f"loss at step {step}"
-        assert two[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), f"grad norm at {step}"
+    assert sorted(step_records(runs["two"])) == list(range(1, STEPS + 1))
+    assert_same_steps(runs["two"], runs["one"], grad_norm_rel=1e-4)
+    two = step_records(runs["two"])
     assert two[STEPS]["loss"] < two[1]["loss"]
 
 
