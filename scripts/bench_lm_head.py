@@ -77,7 +77,7 @@ def lm_head_flops(profile: metrics.FlopProfile, tokens: int, labels: int) -> dic
     """The lm_head's training FLOPs of a pack counted both ways, by the FLOP model's own per-row rule."""
 
     def count(rows: int) -> float:
-        return metrics._matmul_flops(
+        return metrics.matmul_flops(
             profile.lm_head_params, profile.lm_head_trained_params, profile.llm_input_grads, rows
         )
 

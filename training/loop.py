@@ -133,7 +133,7 @@ def train(
         timed = logger.close()  # before the prefetcher's shutdown (it may wait on a worker): not training time
     finally:
         # On an error too: the loader's workers ignore SIGTERM (data/pipeline.py), so while the prefetcher still
-        # iterated the loader, the interpreter's exit would wait on them forever.
+        # iterates the loader, the interpreter's exit waits on them forever.
         steps.close()
     if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
         eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)

@@ -74,7 +74,7 @@ def _trains(modules: Iterable[nn.Module]) -> bool:
     return any(p.requires_grad for m in modules for p in m.parameters())
 
 
-def _matmul_flops(params: int, trained_params: int, input_grads: bool, rows: int) -> float:
+def matmul_flops(params: int, trained_params: int, input_grads: bool, rows: int) -> float:
     """Training FLOPs of `rows` rows through weights of `params` parameters: 2·N forward, 2·N more for the input
     gradients when gradients flow back through them, 2·N_trained for the weight gradients of the trainable ones."""
     return 2.0 * rows * (params * (1 + int(input_grads)) + trained_params)
@@ -172,7 +172,7 @@ def pack_flops(
     image_grids: (t, h, w) in patches for each image/video in the pack.
     label_tokens: the pack's labelled positions (`num_label_tokens`; the whole pack's under context parallelism).
 
-    Derivation (a multiply-add is 2 FLOPs; what runs is counted, `_matmul_flops`: every weight's forward; its input
+    Derivation (a multiply-add is 2 FLOPs; what runs is counted, `matmul_flops`: every weight's forward; its input
     gradient, as much again, where gradients flow back through it — through a part when one of its weights or one
     upstream trains; its weight gradient, as much again, only if it trains. So a full fine-tune counts 6·N per token,
     frozen weights under trained ones 4·N, a frozen ViT below a frozen merger 2·N, and LoRA 4·N for the frozen base
@@ -203,17 +203,17 @@ def pack_flops(
     document_pairs = sum(s * s for s in sample_lengths)
     llm_attn_factor = ATTENTION_TRAIN_FACTOR if p.llm_input_grads else 1
     vit_attn_factor = ATTENTION_TRAIN_FACTOR if p.vit_input_grads else 1
-    flops = _matmul_flops(p.llm_matmul_params, p.llm_trained_params, p.llm_input_grads, tokens)
-    flops += _matmul_flops(p.lm_head_params, p.lm_head_trained_params, p.llm_input_grads, label_tokens)
+    flops = matmul_flops(p.llm_matmul_params, p.llm_trained_params, p.llm_input_grads, tokens)
+    flops += matmul_flops(p.lm_head_params, p.lm_head_trained_params, p.llm_input_grads, label_tokens)
     flops += 4.0 * p.llm_attn_width * document_pairs * p.llm_attn_layers * llm_attn_factor
     flops += 6.0 * p.llm_linear_state * tokens * p.llm_linear_layers * llm_attn_factor
 
     m = p.spatial_merge_size
     for t, h, w in image_grids:
         patches = t * h * w
-        flops += _matmul_flops(p.vit_matmul_params, p.vit_trained_params, p.vit_input_grads, patches)
+        flops += matmul_flops(p.vit_matmul_params, p.vit_trained_params, p.vit_input_grads, patches)
         merged = patches // (m * m)
-        flops += _matmul_flops(p.merger_matmul_params, p.merger_trained_params, p.merger_input_grads, merged)
+        flops += matmul_flops(p.merger_matmul_params, p.merger_trained_params, p.merger_input_grads, merged)
         full_pairs = t * (h * w) ** 2
         flops += 4.0 * p.vit_attn_width * full_pairs * p.vit_full_layers * vit_attn_factor
         if p.vit_window_layers:
