@@ -161,7 +161,7 @@ def matches_by_line(pattern: re.Pattern, paths: list[Path]) -> list[str]:
 
 def test_no_text_is_labelled_by_ordinal_work_periods():
     """No text file of the repository (docs, code, recipes, scripts, results, Makefile) names a measurement or a
-    change by an ordinal work period ("fifth session", "twentieth session"): a reader has only dates and commits."""
+    change by an ordinal work period (a session or phase counted in words): a reader has only dates and commits."""
     offenders = matches_by_line(ORDINAL_PERIOD, repo_text_files())
     assert not offenders, "ordinal period labels:\n" + "\n".join(offenders)
 
