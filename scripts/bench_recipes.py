@@ -1,14 +1,17 @@
 """`make bench-recipes`: the shipped recipes measured as a user launches them, against the eager fp32 path on the same
 machine, into one result file.
 
-    python -m scripts.bench_recipes [--stage one-gpu|two-gpu|moe|all] [--budget-s 540] [--steps 30] [--warmup 10]
-        [--repeats 2] [--work artifacts/bench-recipes] [--out docs/results/recipes-<date>.json] [--dry-run]
+    python -m scripts.bench_recipes [--stage one-gpu|two-gpu|moe|all] [--recipes NAME,...] [--variants shipped,...]
+        [--budget-s 540] [--steps 30] [--warmup 10] [--repeats 2] [--work artifacts/bench-recipes]
+        [--out docs/results/recipes-<date>.json] [--dry-run]
 
 What runs. Each recipe of the stage at full depth and real width (its recipes/models/*.json, random init), with its
-own accelerate config and pack: one GPU for qwen2_5_vl-3b, qwen3_vl-2b and qwen3_5-2b (`one-gpu`); FSDP2 over two
-for qwen2_5_vl-7b, qwen3_vl-8b and qwen3_5-9b (`two-gpu`, nvidia-h200-x2); and qwen3_5-35b_a3b under FSDP2 over two
-with fewer decoder layers, the largest of MOE_LAYERS whose run fits (`moe`; the first that finishes is kept, and the
-JSON says so). Two variants of scripts/compare_throughput.py, alternating A B A B over `--repeats` rounds:
+own accelerate config and pack: one GPU for qwen2_5_vl-3b, qwen3_vl-2b, qwen3_5-2b and the three LoRA recipes
+(`one-gpu`); FSDP2 over two GPUs for qwen2_5_vl-7b, qwen3_vl-8b and qwen3_5-9b (`two-gpu`); and qwen3_5-35b_a3b under
+FSDP2 over two GPUs with fewer decoder layers, the largest of MOE_LAYERS whose run fits (`moe`; the first that
+finishes is kept, and the JSON says so). `--recipes` keeps some of the stage's recipes, `--variants` runs only some
+variants now (the report still covers every finished run, and lists the others as pending). Two variants of
+scripts/compare_throughput.py, alternating A B A B over `--repeats` rounds:
 `shipped` (the recipe as it ships: its `auto` settings resolved, training/defaults.py) and `eager-fp32` (eager blocks,
 fp32 module weights under autocast, transformers' Conv3d patch embedding, 2 loader workers, the recipe's
 checkpointing). Every run trains `--steps` steps from the same seed on the same batches (the recipe's data with
@@ -18,12 +21,13 @@ train.py's own mean over the steps after `--warmup` (the compile falls in step 1
 Stages. A run takes minutes, a recipe's four of them more than one 10-minute device call, so the script is
 resumable: finished runs are kept in `--work` (state.json, one run directory each) and an invocation runs pending
 runs in order until the next would pass `--budget-s` (estimated from the slowest finished run of its recipe, else
-FIRST_RUN_ESTIMATE_S), then writes the report and exits; call it again for the rest (exit status 3 while runs are
+`--first-run-estimate-s`), then writes the report and exits; call it again for the rest (exit status 3 while runs are
 pending). `--dry-run` prints the plan.
 
 The report (`--out`): provenance (verification/provenance.py: commit or source digest, GPU, library versions), the
 targets, and per recipe: launch, overrides, note; for each variant tokens/s per GPU (median, min, max over its runs),
-MFU (FLOPs counting the lm_head for labelled rows only: training/metrics.py), peak memory, GPU busy; the speedup
+MFU (FLOPs counting the lm_head for labelled rows only: training/metrics.py), peak memory, GPU busy, step 1's wall
+time and the part of it inductor spent compiling (first run of each variant); the speedup
 of shipped over eager-fp32 (ratio of medians, with the range the runs allow); step 1 of each variant's first run
 (loss, gradient norm) and the gaps against the numerics rule (STEP1_RULE); whether the targets are met; and the runs
 still pending.
@@ -65,10 +69,11 @@ COMMON_OVERRIDES = (
 VARIANTS = ("shipped", "eager-fp32")
 BASELINE = "eager-fp32"
 MOE_LAYERS = (16, 12, 8)  # decoder layers tried for the MoE recipe on two GPUs, largest first (all of the 3:1 pattern)
-FIRST_RUN_ESTIMATE_S = 300  # a recipe's first run: data processing, model init, compile and the steps
+FIRST_RUN_ESTIMATE_S = 300  # a recipe's first run, by default: data processing, model init, compile and the steps
 TARGETS = {
     "speedup_vs_eager_fp32": 1.5,
     "mfu": {"qwen2_5_vl": 0.45, "qwen3_vl": 0.45, "qwen3_5": 0.40, "qwen3_5_moe": 0.40},
+    "mfu_lora_one_gpu": 0.40,
 }
 STEP1_RULE = {"grad_norm_relative": 1e-2, "loss_absolute": 1e-2}  # the numerics rule a default must keep
 
@@ -91,6 +96,9 @@ BENCHES = (
     Bench("recipes/qwen2_5_vl-3b.yaml", ONE_GPU, "one-gpu"),
     Bench("recipes/qwen3_vl-2b.yaml", ONE_GPU, "one-gpu"),
     Bench("recipes/qwen3_5-2b.yaml", ONE_GPU, "one-gpu"),
+    Bench("recipes/lora-qwen2_5_vl-7b.yaml", ONE_GPU, "one-gpu"),
+    Bench("recipes/lora-qwen3_vl-8b.yaml", ONE_GPU, "one-gpu"),
+    Bench("recipes/lora-qwen3_5-9b.yaml", ONE_GPU, "one-gpu"),
     Bench("recipes/qwen2_5_vl-7b.yaml", FSDP2_TWO, "two-gpu"),
     Bench("recipes/qwen3_vl-8b.yaml", FSDP2_TWO, "two-gpu"),
     Bench("recipes/qwen3_5-9b.yaml", FSDP2_TWO, "two-gpu"),
@@ -155,14 +163,14 @@ class State:
         return any(key.startswith(f"{bench.name}-{layers}layers/") for key in self.data["failed"])
 
 
-def plan(benches: list[Bench], repeats: int, state: State) -> list[Unit]:
-    """Every run of the benches, recipe by recipe, the variants alternating within each round."""
+def plan(benches: list[Bench], repeats: int, state: State, variants: tuple[str, ...] = VARIANTS) -> list[Unit]:
+    """Every run of `variants` of the benches, recipe by recipe, the variants alternating within each round."""
     units = []
     for bench in benches:
         layers = state.moe_layers(bench) if bench.moe else None
         if bench.moe and layers is None:
             continue  # no layer count fits: the report says so
-        units += [Unit(bench, v, r, layers) for r in range(1, repeats + 1) for v in VARIANTS]
+        units += [Unit(bench, v, r, layers) for r in range(1, repeats + 1) for v in variants]
     return units
 
 
@@ -205,6 +213,20 @@ def step_one(first: compare.RunResult, baseline: compare.RunResult) -> dict:
     }
 
 
+def first_step(run: compare.RunResult) -> dict:
+    """Step 1's wall time and inductor's compile time within it, as train.py logged them (None where it did not)."""
+    record = next((r for r in run.records if "first_step_s" in r), {})
+    return {"first_step_s": record.get("first_step_s"), "compile_s": record.get("compile_s")}
+
+
+def mfu_target(recipe: str) -> float:
+    """The recipe's MFU target: by family for a full fine-tune, one figure for LoRA on one GPU."""
+    cfg = load_config(recipe)
+    if cfg.lora is not None:
+        return TARGETS["mfu_lora_one_gpu"]
+    return TARGETS["mfu"][recipe_model_config(cfg.model.config)["model_type"]]
+
+
 def recipe_row(bench: Bench, units: list[Unit], results: dict[str, compare.RunResult], warmup: int) -> dict:
     """One recipe's numbers (module docstring) from its finished runs; None-valued where runs are missing."""
     model_cfg = load_config(bench.recipe).model
@@ -221,15 +243,18 @@ def recipe_row(bench: Bench, units: list[Unit], results: dict[str, compare.RunRe
             "fits two H200s (full depth needs 8); widths, experts and vocabulary as published"
         )
     for variant, variant_runs in runs.items():
-        row[variant] = compare.variant_numbers(variant_runs, warmup) if variant_runs else None
+        row[variant] = (
+            {**compare.variant_numbers(variant_runs, warmup), **first_step(variant_runs[0])} if variant_runs else None
+        )
     shipped, eager = row["shipped"], row[BASELINE]
+    row["mfu_target"] = mfu_target(bench.recipe)
+    if shipped:
+        row["meets"] = {"mfu": shipped["mfu"] is not None and shipped["mfu"] >= row["mfu_target"]}
     if shipped and eager:
         row["speedup_vs_eager_fp32"] = compare._ratio(shipped, eager)
         row["step1"] = step_one(runs["shipped"][0], runs[BASELINE][0])
-        mfu_target = TARGETS["mfu"][recipe_model_config(model_cfg.config)["model_type"]]
-        row["meets"] = {
+        row["meets"] |= {
             "speedup": row["speedup_vs_eager_fp32"]["median"] >= TARGETS["speedup_vs_eager_fp32"],
-            "mfu": shipped["mfu"] is not None and shipped["mfu"] >= mfu_target,
             "step1_rule": row["step1"]["within_rule"],
         }
     return row
@@ -262,10 +287,15 @@ def report(benches: list[Bench], units: list[Unit], state: State, work: Path, ar
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all", help="which recipes (module docstring)")
+    parser.add_argument("--recipes", default=None, help="comma list of recipe names of the stage (default: all)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} to run")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (compile, allocator)")
     parser.add_argument("--repeats", type=int, default=2, help="runs per variant, alternating (>= 2 for a range)")
     parser.add_argument("--budget-s", type=float, default=540, help="stop before a run that would pass this")
+    parser.add_argument(
+        "--first-run-estimate-s", type=float, default=FIRST_RUN_ESTIMATE_S, help="a recipe's first run, for --budget-s"
+    )
     parser.add_argument("--run-timeout", type=int, default=1500, help="seconds one run may take")
     parser.add_argument("--work", default="artifacts/bench-recipes", help="run directories and state.json")
     parser.add_argument("--out", default=None, help="the report (default: docs/results/recipes-<UTC date>.json)")
@@ -281,15 +311,24 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work)
     out = Path(args.out or f"docs/results/recipes-{datetime.now(UTC).strftime('%Y-%m-%d')}.json")
     benches = [b for b in BENCHES if args.stage in (b.stage, "all")]
+    if args.recipes:
+        names = args.recipes.split(",")
+        unknown = sorted(set(names) - {b.name for b in benches})
+        if unknown:
+            raise ConfigError(f"--recipes: {unknown} not in stage {args.stage}: {[b.name for b in benches]}.")
+        benches = [b for b in benches if b.name in names]
+    variants = tuple(args.variants.split(","))
+    if not variants or not set(variants) <= set(VARIANTS):
+        raise ConfigError(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}.")
     state = State(work)
     started = time.monotonic()
     if args.dry_run:
-        pending = [u for u in plan(benches, args.repeats, state) if state.pending(u)]
+        pending = [u for u in plan(benches, args.repeats, state, variants) if state.pending(u)]
         print("\n".join(f"[bench-recipes] pending {u.key}: {u.bench.launcher} {u.bench.recipe}" for u in pending))
         return 3 if pending else 0
-    while pending := [u for u in plan(benches, args.repeats, state) if state.pending(u)]:
+    while pending := [u for u in plan(benches, args.repeats, state, variants) if state.pending(u)]:
         unit = pending[0]
-        estimate = state.slowest_run(unit) or FIRST_RUN_ESTIMATE_S
+        estimate = state.slowest_run(unit) or args.first_run_estimate_s
         if time.monotonic() - started + estimate > args.budget_s:
             print(f"[bench-recipes] stopping before {unit.key}: ~{estimate:.0f} s would pass --budget-s", flush=True)
             break

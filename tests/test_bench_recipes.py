@@ -14,7 +14,14 @@ from scripts import bench_lm_head, bench_recipes
 from scripts import compare_throughput as compare
 from training import run_files, step
 
-ONE_GPU = ["qwen2_5_vl-3b", "qwen3_vl-2b", "qwen3_5-2b"]
+ONE_GPU = [
+    "qwen2_5_vl-3b",
+    "qwen3_vl-2b",
+    "qwen3_5-2b",
+    "lora-qwen2_5_vl-7b",
+    "lora-qwen3_vl-8b",
+    "lora-qwen3_5-9b",
+]
 SPEED = {"shipped": 150.0, "eager-fp32": 100.0}  # tokens/s per GPU of the stub's runs
 STEP1 = {"shipped": (2.0, 1.004), "eager-fp32": (2.003, 1.0)}  # (loss, gradient norm) at step 1
 
@@ -103,10 +110,28 @@ def test_a_budget_stops_between_runs_and_the_next_call_resumes(tmp_path, monkeyp
     monkeypatch.setattr(bench_recipes, "FIRST_RUN_ESTIMATE_S", 0)
     runs = StubRuns(wall_s=100.0)
     code, report = bench(tmp_path, monkeypatch, runs, "--stage", "one-gpu", "--budget-s", "50")
-    assert code == 3 and runs.calls == ["qwen2_5_vl-3b/shipped/1"] and len(report["pending"]) == 11
+    runs_in_stage = 4 * len(ONE_GPU)
+    assert code == 3 and runs.calls == ["qwen2_5_vl-3b/shipped/1"] and len(report["pending"]) == runs_in_stage - 1
     assert report["recipes"]["qwen2_5_vl-3b"]["eager-fp32"] is None
     code, report = bench(tmp_path, monkeypatch, runs, "--stage", "one-gpu")
-    assert code == 0 and report["pending"] == [] and len(runs.calls) == 12 == len(set(runs.calls))
+    assert code == 0 and report["pending"] == [] and len(runs.calls) == runs_in_stage == len(set(runs.calls))
+
+
+def test_recipes_and_variants_choose_what_runs_now_and_the_report_keeps_every_run(tmp_path, monkeypatch):
+    """--recipes and --variants run a subset; the report still lists the other variant's runs as pending, and a
+    later call with the other variant completes the rows (speedup and step-1 rule) from both calls' runs. A LoRA
+    recipe is held to the one-GPU LoRA MFU target."""
+    runs = StubRuns()
+    subset = ("--stage", "one-gpu", "--recipes", "qwen3_vl-2b,lora-qwen3_5-9b", "--repeats", "1")
+    code, report = bench(tmp_path, monkeypatch, runs, *subset, "--variants", "shipped")
+    assert code == 3 and runs.calls == ["qwen3_vl-2b/shipped/1", "lora-qwen3_5-9b/shipped/1"]
+    assert sorted(report["pending"]) == ["lora-qwen3_5-9b/eager-fp32/1", "qwen3_vl-2b/eager-fp32/1"]
+    lora = report["recipes"]["lora-qwen3_5-9b"]
+    assert lora["mfu_target"] == bench_recipes.TARGETS["mfu_lora_one_gpu"] and "speedup_vs_eager_fp32" not in lora
+    code, report = bench(tmp_path, monkeypatch, runs, *subset, "--variants", "eager-fp32")
+    assert code == 0 and len(runs.calls) == 4 and report["recipes"]["qwen3_vl-2b"]["step1"]["within_rule"]
+    with pytest.raises(bench_recipes.ConfigError, match="qwen3_5-9b"):
+        bench(tmp_path, monkeypatch, runs, "--stage", "one-gpu", "--recipes", "qwen3_5-9b")
 
 
 def test_the_moe_recipe_runs_the_largest_layer_count_that_fits(tmp_path, monkeypatch):
