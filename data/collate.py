@@ -9,14 +9,15 @@ the lm_head never multiplies a row without one (most of a vision pack's rows: im
 
 from __future__ import annotations
 
+import itertools
 import logging
 
 import numpy as np
 import torch
 
 from data.formats import DataError, SampleError, load_image
-from data.processing import IGNORE_INDEX
-from data.video import Clip, VideoSettings, load_clip, video_patches
+from data.processing import IGNORE_INDEX, bounds_kwargs
+from data.video import Clip, load_clip, video_patches
 
 logger = logging.getLogger(__name__)
 TEXT, IMAGE, VIDEO = 0, 1, 2
@@ -33,25 +34,28 @@ def label_rows(shift_labels: np.ndarray | torch.Tensor) -> torch.Tensor:
 class Collator:
     """Builds batches from processed rows (dicts with the columns of processing.PROCESSED_FEATURES).
 
+    Each row carries how its pixels are made (`image_sizes`, `video_settings`: its source's settings, or those of
+    data.max_visual_tokens), so one collator serves every source of a mixture. Rows fetched from a mixture carry
+    `source` (the source's index): the batch then counts samples and tokens per source (`num_source_samples`,
+    `num_source_tokens`, lists of `num_sources` Python ints).
+
     Args: image_processor (makes pixel_values and, frame by frame, pixel_values_videos; must be the one the rows
-    were processed with), image_kwargs (the pixel-bound overrides used at processing), image_token_id /
-    video_token_id / pad_token_id (the model's ids), video (the VideoSettings used at processing), raise_errors
-    (data.on_error=raise: an image or video that no longer loads is an error instead of a counted skip).
+    were processed with), image_token_id / video_token_id / pad_token_id (the model's ids), raise_errors
+    (data.on_error=raise: an image or video that no longer loads is an error instead of a counted skip),
+    num_sources (the mixture's sources; 0 for one data.path).
     """
 
     def __init__(
         self,
         image_processor,
-        image_kwargs: dict,
         image_token_id: int,
         video_token_id: int,
         pad_token_id: int | None,
-        video: VideoSettings,
         raise_errors: bool = False,
+        num_sources: int = 0,
     ):
         self.image_processor = image_processor
-        self.image_kwargs = image_kwargs
-        self.video = video
+        self.num_sources = num_sources
         self.image_token_id = image_token_id
         self.video_token_id = video_token_id
         self.pad_token_id = pad_token_id if pad_token_id is not None else 0
@@ -71,6 +75,8 @@ class Collator:
             "video_grid_thw": [],
             "videos": [],
             "second_per_grid_ts": [],
+            "image_sizes": [],
+            "video_settings": [],
             "num_patches": 0,
         }
 
@@ -83,7 +89,10 @@ class Collator:
         for row in rows:
             try:
                 row_images = [load_image(ref) for ref in row["images"]]
-                row_clips = [load_clip(ref, self.video.fps, self.video.max_frames) for ref in row["videos"]]
+                row_clips = [
+                    load_clip(ref, settings["fps"], settings["max_frames"])
+                    for ref, settings in zip(row["videos"], row["video_settings"], strict=True)
+                ]
             except SampleError as error:
                 if self.raise_errors:
                     raise DataError(f"sample {row['sample_id']}: {error} (data.on_error=skip skips it)") from None
@@ -120,13 +129,22 @@ class Collator:
         if not images:
             return None, None
         stored = torch.tensor([grid for row in rows for grid in row["image_grid_thw"]], dtype=torch.long)
-        out = self.image_processor(images=images, return_tensors="pt", **self.image_kwargs)
-        if not torch.equal(out["image_grid_thw"].long(), stored):
+        bounds = [tuple(size) for row in rows for size in row["image_sizes"]]
+        pixels, grids, start = [], [], 0
+        for size, run in itertools.groupby(bounds):  # one processor call per run of images with the same bounds
+            count = len(list(run))
+            out = self.image_processor(
+                images=images[start : start + count], return_tensors="pt", **bounds_kwargs(*size)
+            )
+            pixels.append(out["pixel_values"].float())
+            grids.append(out["image_grid_thw"].long())
+            start += count
+        if not torch.equal(torch.cat(grids), stored):
             raise RuntimeError(
                 "image grids differ from the processed dataset's: the image processor or data.min/max_pixels changed "
                 "since preprocessing; delete the data cache (data.cache_dir) to reprocess."
             )
-        return out["pixel_values"].float(), stored
+        return torch.cat(pixels), stored
 
     def video_inputs(self, rows: list[dict], clips: list[Clip]) -> dict:
         """pixel_values_videos (P, C·tp·p·p) float32, video_grid_thw (n_videos, 3) long and second_per_grid_ts
@@ -135,8 +153,10 @@ class Collator:
             return {"pixel_values_videos": None, "video_grid_thw": None, "second_per_grid_ts": None}
         stored = torch.tensor([grid for row in rows for grid in row["video_grid_thw"]], dtype=torch.long)
         patches, grids = [], []
-        for clip in clips:
-            pixels, grid = video_patches(self.image_processor, self.video.size_kwargs, clip)
+        settings = [video for row in rows for video in row["video_settings"]]
+        for clip, video in zip(clips, settings, strict=True):
+            size = bounds_kwargs(video["min_pixels"], video["max_pixels"])
+            pixels, grid = video_patches(self.image_processor, size, clip)
             patches.append(pixels)
             grids.append(grid)
         if not torch.equal(torch.tensor(grids, dtype=torch.long), stored):
@@ -148,12 +168,19 @@ class Collator:
         seconds = torch.tensor([s for row in rows for s in row["second_per_grid_ts"]], dtype=torch.float64)
         return {"pixel_values_videos": torch.cat(patches), "video_grid_thw": stored, "second_per_grid_ts": seconds}
 
-    @staticmethod
     def counts(
-        input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict], skipped: int
+        self, input_ids: np.ndarray, shift_labels: np.ndarray, token_types: np.ndarray, rows: list[dict], skipped: int
     ) -> dict:
         num_image_tokens = int((token_types == IMAGE).sum())
+        per_source = {}
+        if self.num_sources:
+            samples, tokens = [0] * self.num_sources, [0] * self.num_sources
+            for row in rows:
+                samples[row["source"]] += 1
+                tokens[row["source"]] += int(row["length"])
+            per_source = {"num_source_samples": samples, "num_source_tokens": tokens}
         return {
+            **per_source,
             "num_skipped_samples": skipped,
             "num_label_tokens": int((shift_labels != IGNORE_INDEX).sum()),
             "num_text_tokens": int((token_types == TEXT).sum()),

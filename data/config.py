@@ -2,15 +2,54 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from core.config_tree import ConfigError, check_seed
 
 
 @dataclass
+class SourceConfig:
+    """One source of a weighted mixture (`data.sources`). A null key takes the `data` section's value."""
+
+    path: str = ""  # a file, a directory, a hub id, or "builtin", as data.path
+    weight: float = 1.0  # share of the mixture's samples: weight / the sum of the sources' weights
+    name: str | None = None  # label in logs and metrics (default: the file's stem, made unique)
+    format: Literal["auto", "llava", "messages"] | None = None
+    image_root: str | None = None
+    min_pixels: int | None = None
+    max_pixels: int | None = None
+    video_fps: float | None = None
+    video_max_frames: int | None = None
+    video_min_pixels: int | None = None
+    video_max_pixels: int | None = None
+    max_samples: int | None = None  # at most this many of the source's records (a seeded subset, in file order)
+    eval_fraction: float | None = None  # held-out share of this source
+
+
+# SourceConfig keys a source sets for itself; the others (weight, name) belong to the mixture.
+SOURCE_DATA_KEYS = (
+    "path",
+    "format",
+    "image_root",
+    "min_pixels",
+    "max_pixels",
+    "video_fps",
+    "video_max_frames",
+    "video_min_pixels",
+    "video_max_pixels",
+    "eval_fraction",
+)
+
+
+@dataclass
 class DataConfig:
-    path: str = "builtin"  # a file, a directory, a hub id, or "builtin" for the generated dataset
+    path: str | None = None  # a file, a directory, a hub id, or "builtin" (null: builtin, unless data.sources)
+    # several sources mixed by weight instead of data.path (docs/data.md, "Mixtures"): a list of SourceConfig
+    sources: list[SourceConfig] | None = None
+    max_visual_tokens: int | None = None  # per sample: larger images shrink, videos lose frames then resolution
     image_root: str | None = None  # where relative image paths resolve (default: the data file's directory)
     format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
@@ -32,6 +71,37 @@ class DataConfig:
     seed: int = 0
 
     def validate(self) -> None:
+        self._validate_own()
+        if self.max_visual_tokens is not None and self.max_visual_tokens < 1:
+            raise ConfigError(f"data.max_visual_tokens must be >= 1 or null, got {self.max_visual_tokens}.")
+        if self.sources is None:
+            return
+        if self.path is not None:
+            raise ConfigError(
+                f"data.path ({self.path}) and data.sources are both set: a mixture names its files in data.sources; "
+                "set data.path=null (or remove it from the recipe)."
+            )
+        if not self.sources:
+            raise ConfigError("data.sources is empty: list at least one {path, weight} source, or use data.path.")
+        if self.streaming:
+            raise ConfigError("data.sources needs data.streaming=false: a mixture is planned over cached sources.")
+        for index, source in enumerate(self.sources):
+            where = f"data.sources[{index}]"
+            if not source.path:
+                raise ConfigError(f"{where}.path is required (a file, a directory, a hub id or builtin).")
+            if not source.weight > 0:
+                raise ConfigError(f"{where}.weight must be > 0, got {source.weight}.")
+            if source.max_samples is not None and source.max_samples < 1:
+                raise ConfigError(f"{where}.max_samples must be >= 1 or null, got {source.max_samples}.")
+            try:
+                source_data_config(self, source)._validate_own()
+            except ConfigError as error:
+                raise ConfigError(f"{where}: {error}") from None
+        names = [source.name for source in self.sources if source.name is not None]
+        if len(names) != len(set(names)):
+            raise ConfigError(f"data.sources names must be unique, got {names}.")
+
+    def _validate_own(self) -> None:
         if not 0.0 <= self.eval_fraction < 1.0:
             raise ConfigError(f"data.eval_fraction must be in [0, 1), got {self.eval_fraction}.")
         if self.num_proc is not None and self.num_proc < 1:
@@ -77,3 +147,24 @@ class PackingConfig:
             raise ConfigError(f"packing.vision_cost_weight must be >= 0, got {self.vision_cost_weight}.")
         if self.balance_window_steps < 1:
             raise ConfigError(f"packing.balance_window_steps must be >= 1, got {self.balance_window_steps}.")
+
+
+def source_data_config(data_cfg: DataConfig, source: SourceConfig) -> DataConfig:
+    """The `data` section one source of a mixture is loaded and processed with: the source's own keys where set,
+    the section's elsewhere (seed, cache, on_error, max_visual_tokens...)."""
+    own = {key: getattr(source, key) for key in SOURCE_DATA_KEYS if getattr(source, key) is not None}
+    return dataclasses.replace(data_cfg, sources=None, **own)
+
+
+def source_names(sources: list[SourceConfig]) -> list[str]:
+    """Each source's label: its `name`, else its file's stem, else (stems shared, as data.jsonl's) its directory's
+    name; a label still shared gets the source's index appended."""
+    paths = [Path(source.path.rstrip("/")) for source in sources]
+    stems = [path.stem or str(path) for path in paths]
+    names = []
+    for source, path, stem in zip(sources, paths, stems, strict=True):
+        if source.name is not None:
+            names.append(source.name)
+        else:
+            names.append(stem if stems.count(stem) == 1 or not path.parent.name else path.parent.name)
+    return [name if names.count(name) == 1 else f"{name}{index}" for index, name in enumerate(names)]

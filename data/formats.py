@@ -31,6 +31,7 @@ SKIP_REASONS = (
     "video_frame_size_mismatch",
     "video_count_mismatch",
     "video_too_long",
+    "visual_tokens_over_budget",
     "no_assistant_turn",
     "empty_text",
     "too_long",

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 from filelock import FileLock, Timeout
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
@@ -36,11 +36,12 @@ from transformers.utils import cached_file
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.collate import Collator
-from data.config import DataConfig, PackingConfig
+from data.config import DataConfig, PackingConfig, source_data_config, source_names
 from data.formats import DataError
 from data.image_files import files_signature, list_files
+from data.mixture import MixtureOrder
 from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
-from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
+from data.processing import PROCESSED_FEATURES, SampleProcessor
 from data.row_meta import (
     DataStats,
     RowMeta,
@@ -48,6 +49,7 @@ from data.row_meta import (
     is_eval_row,
     kept_rows,
     on_error_raise_message,
+    pack_items,
     too_long_detail,
     too_long_reason,
 )
@@ -56,12 +58,11 @@ from data.tiny_processor import image_only_processor_class, load_or_build_tiny_p
 from data.video import VideoSettings
 
 logger = logging.getLogger(__name__)
-PROCESSING_VERSION = 2  # bump when processing output changes, to invalidate cached datasets
+PROCESSING_VERSION = 3  # bump when processing output changes, to invalidate cached datasets
 # Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 ROW_INDEX_COLUMN = "__row_index__"
 RECORDS_PER_PROCESS = 256  # with fewer records per process, starting the process costs about what it saves
-ITEMS_PER_READ = 4096  # samples whose metadata the plan reads from the numpy arrays at once
 
 
 MAX_LOADER_WORKERS = 8  # collating 16k-token packs of 256-1024-token images keeps up with an H200 step at this many
@@ -149,6 +150,7 @@ def processing_fingerprint(
         "images": images_signature,
         "data": [data_cfg.path, data_cfg.image_root, data_cfg.format, data_cfg.min_pixels, data_cfg.max_pixels],
         "video": [data_cfg.video_fps, data_cfg.video_max_frames, data_cfg.video_min_pixels, data_cfg.video_max_pixels],
+        "max_visual_tokens": data_cfg.max_visual_tokens,
         "tokenizer": backend.to_str() if backend is not None else sorted(tokenizer.get_vocab().items()),
         "chat_template": processor.chat_template,
         "image_processor": processor.image_processor.to_json_string(),
@@ -447,9 +449,9 @@ def _processed(records: Dataset, sample_processor: SampleProcessor, fingerprint:
     )
 
 
-def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
-    """(train items, eval items, fetch) over the processed dataset; counts the records, kept and skipped, in
-    `stats`."""
+def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
+    """(rows, train row indices, eval row indices) of the processed dataset; counts the records, kept and skipped,
+    and the kept training tokens in `stats`."""
     # A fresh map's output: its arrow table is the rows in order (no indices mapping), memory-mapped from the cache.
     table = processed.data.table
     rows = RowMeta.read(table)
@@ -457,9 +459,44 @@ def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats:
     held_out = held_out_rows(len(processed), data_cfg.eval_fraction)
     train_rows, eval_rows = np.flatnonzero(kept & ~held_out), np.flatnonzero(kept & held_out)
     stats.records, stats.kept_train, stats.kept_eval = len(processed), len(train_rows), len(eval_rows)
+    stats.train_tokens = int(rows.lengths[train_rows].sum(dtype=np.int64))
+    return rows, train_rows, eval_rows
+
+
+def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
+    """(train items, eval items, fetch) over the processed dataset; counts the records, kept and skipped, in
+    `stats`."""
+    rows, train_rows, eval_rows = _split(data_cfg, max_tokens, processed, stats)
     train_items = _SampleOrder(rows, train_rows, seed=data_cfg.seed)
     eval_items = _SampleOrder(rows, eval_rows, seed=None)
     return train_items, eval_items, ProcessedRows(processed)
+
+
+def _mixture(data_cfg: DataConfig, max_tokens: int, processed: list[Dataset], stats: DataStats):
+    """(train items, eval items, fetch) over the sources' processed datasets, in `data.sources` order: training
+    samples drawn by weight (data/mixture.py), eval the held-out samples of every source in row order. `stats` gets
+    each source's counts (in `stats.sources`) and their total."""
+    names = source_names(data_cfg.sources)
+    parts, train, held, starts, start = [], [], [], [], 0
+    for source, name, dataset in zip(data_cfg.sources, names, processed, strict=True):
+        source_stats = stats.sources[name] = DataStats()
+        rows, train_rows, eval_rows = _split(source_data_config(data_cfg, source), max_tokens, dataset, source_stats)
+        stats.add(source_stats)
+        if not len(train_rows):
+            raise DataError(
+                f"data.sources {name} ({source.path}) keeps no training sample, so its weight cannot be drawn: "
+                f"{source_stats.summary()}"
+            )
+        parts.append(rows)
+        train.append(train_rows + start)
+        held.append(eval_rows + start)
+        starts.append(start)
+        start += len(dataset)
+    rows = RowMeta.concat(parts)
+    weights = tuple(source.weight for source in data_cfg.sources)
+    train_items = MixtureOrder(rows, tuple(train), weights, seed=data_cfg.seed)
+    eval_items = _SampleOrder(rows, np.concatenate(held), seed=None)
+    return train_items, eval_items, ProcessedRows(concatenate_datasets(processed), np.asarray(starts, dtype=np.int64))
 
 
 # The in-memory plan's parts are module-level classes, not closures: loader workers start from a forkserver
@@ -470,8 +507,7 @@ def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats:
 class _SampleOrder:
     """`items(epoch)`: one split's samples as PackItems, reshuffled per epoch when seeded, in row order otherwise.
 
-    `indices`: (n,) int64 row indices of the split. PackItems are made as the plan consumes them, ITEMS_PER_READ
-    at a time, so only the planner's buffer of them is alive."""
+    `indices`: (n,) int64 row indices of the split."""
 
     rows: RowMeta
     indices: np.ndarray
@@ -481,25 +517,26 @@ class _SampleOrder:
         order = self.indices
         if self.seed is not None:
             order = np.random.default_rng([self.seed, epoch]).permutation(order)
-        rows = self.rows
-        for start in range(0, len(order), ITEMS_PER_READ):
-            keys = order[start : start + ITEMS_PER_READ]
-            lengths, patches, kinds = rows.lengths[keys].tolist(), rows.patches[keys].tolist(), rows.kinds[keys]
-            for key, length, num_patches, (has_images, has_videos) in zip(
-                keys.tolist(), lengths, patches, kinds.tolist(), strict=True
-            ):
-                yield PackItem(key, length, num_patches, has_images=has_images, has_videos=has_videos)
+        return pack_items(self.rows, order)
 
 
 @dataclass(frozen=True)
 class ProcessedRows:
     """`fetch(keys)` of the in-memory mode: the processed rows (dicts of PROCESSED_FEATURES) of those row indices,
-    read from `dataset`, the memory-mapped processed dataset."""
+    read from `dataset`, the memory-mapped processed dataset (a mixture's: its sources' one after another).
+
+    `source_starts`: a mixture's first row of each source; each row then carries `source`, its source's index."""
 
     dataset: Dataset
+    source_starts: np.ndarray | None = None
 
     def __call__(self, keys: list[int]) -> list[dict]:
-        return [self.dataset[int(k)] for k in keys]
+        rows = [self.dataset[int(k)] for k in keys]
+        if self.source_starts is not None:
+            sources = np.searchsorted(self.source_starts, keys, side="right") - 1
+            for row, source in zip(rows, sources.tolist(), strict=True):
+                row["source"] = source
+        return rows
 
 
 def _streaming(
@@ -541,6 +578,38 @@ def _collate_then(collate: Callable[[list[dict]], dict], then: Callable[[dict], 
     return then(collate(rows))
 
 
+def _records(data_cfg: DataConfig, processor, model_config: PretrainedConfig, max_samples: int | None = None):
+    """(records, SampleProcessor) of one source: its raw records (at most `max_samples` of them, a subset drawn
+    with data.seed and kept in file order) and the per-record function that processes them."""
+    records, image_root = open_records(data_cfg, cache_root(data_cfg))
+    if max_samples is not None and max_samples < len(records):
+        chosen = np.random.default_rng([data_cfg.seed, len(records)]).choice(len(records), max_samples, replace=False)
+        records = records.select(np.sort(chosen))
+    sample_processor = SampleProcessor(
+        processor,
+        model_config,
+        data_format=data_cfg.format,
+        image_root=image_root,
+        min_pixels=data_cfg.min_pixels,
+        max_pixels=data_cfg.max_pixels,
+        video=VideoSettings.from_config(data_cfg, processor.image_processor),
+        raise_errors=data_cfg.on_error == "raise",
+        max_visual_tokens=data_cfg.max_visual_tokens,
+    )
+    return records, sample_processor
+
+
+def _processed_source(
+    data_cfg: DataConfig, processor, model_config: PretrainedConfig, records: Dataset, sample_processor
+) -> Dataset:
+    """One source's processed dataset, from its own cache (keyed by `processing_fingerprint`) or built once."""
+    num_proc = processing_processes(data_cfg.num_proc, len(records))
+    with _building(cache_root(data_cfg), records._fingerprint):
+        images = files_signature(list_files(records, sample_processor, num_proc))
+        fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
+        return _processed(records, sample_processor, fingerprint, num_proc)
+
+
 def build_data(
     data_cfg: DataConfig,
     packing_cfg: PackingConfig,
@@ -565,39 +634,34 @@ def build_data(
     micro-batches, with state_dict()/load_state_dict(). eval_loader: one unshuffled pass over the held-out
     samples, in steps of one batch per rank. stats: DataStats (records, kept per split, skipped per reason).
     """
-    records, image_root = open_records(data_cfg, cache_root(data_cfg))
-    video = VideoSettings.from_config(data_cfg, processor.image_processor)
-    sample_processor = SampleProcessor(
-        processor,
-        model_config,
-        data_format=data_cfg.format,
-        image_root=image_root,
-        min_pixels=data_cfg.min_pixels,
-        max_pixels=data_cfg.max_pixels,
-        video=video,
-        raise_errors=data_cfg.on_error == "raise",
-    )
     stats = DataStats()
-    if data_cfg.streaming:
-        train_items, eval_items, fetch = _streaming(data_cfg, packing_cfg, records, sample_processor, stats)
+    started = time.perf_counter()
+    if data_cfg.sources:
+        processed = []
+        for source in data_cfg.sources:
+            source_cfg = source_data_config(data_cfg, source)
+            records, sample_processor = _records(source_cfg, processor, model_config, source.max_samples)
+            processed.append(_processed_source(source_cfg, processor, model_config, records, sample_processor))
+        train_items, eval_items, fetch = _mixture(data_cfg, packing_cfg.max_tokens, processed, stats)
     else:
-        started = time.perf_counter()
-        num_proc = processing_processes(data_cfg.num_proc, len(records))
-        with _building(cache_root(data_cfg), records._fingerprint):
-            images = files_signature(list_files(records, sample_processor, num_proc))
-            fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
-            processed = _processed(records, sample_processor, fingerprint, num_proc)
-        train_items, eval_items, fetch = _in_memory(data_cfg, packing_cfg.max_tokens, processed, stats)
+        records, sample_processor = _records(data_cfg, processor, model_config)
+        if data_cfg.streaming:
+            train_items, eval_items, fetch = _streaming(data_cfg, packing_cfg, records, sample_processor, stats)
+        else:
+            processed = _processed_source(data_cfg, processor, model_config, records, sample_processor)
+            train_items, eval_items, fetch = _in_memory(data_cfg, packing_cfg.max_tokens, processed, stats)
+    if not data_cfg.streaming:
         level = logging.WARNING if stats.skipped else logging.INFO
         logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)
+        for name, source_stats in stats.sources.items():
+            logger.log(level, "data source %s: %s", name, source_stats.summary())
     collator = Collator(
         processor.image_processor,
-        image_size_kwargs(processor.image_processor, data_cfg.min_pixels, data_cfg.max_pixels),
         image_token_id=model_config.image_token_id,
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
-        video=video,
         raise_errors=data_cfg.on_error == "raise",
+        num_sources=len(data_cfg.sources or ()),
     )
     collate = collator.packed if packing_cfg.mode == "packed" else collator.padded
     if shard is not None:

@@ -16,7 +16,6 @@ from collections.abc import Mapping
 import jinja2
 import torch
 from datasets import Features, List, Value
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data.config import DataConfig
 from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
@@ -30,6 +29,7 @@ from data.video import (
     uses_timestamps,
     video_grid,
 )
+from data.visual_budget import Visual, fit_visuals, visual_tokens
 
 IGNORE_INDEX = -100
 RECORD_JSON_COLUMN = "__record_json__"  # JSON files are read as one JSON string per record (schema-free)
@@ -60,6 +60,17 @@ PROCESSED_FEATURES = Features(
             }
         ),
         "second_per_grid_ts": List(Value("float64")),  # (n_videos,) seconds per temporal patch
+        # How the collator remakes the pixels: each image's resize bounds [min_pixels, max_pixels], each video's
+        # sampling and per-frame bounds (the source's settings, or smaller ones from data.max_visual_tokens).
+        "image_sizes": List(List(Value("int64"))),  # (n_images, 2)
+        "video_settings": List(
+            {
+                "fps": Value("float64"),
+                "max_frames": Value("int32"),
+                "min_pixels": Value("int64"),
+                "max_pixels": Value("int64"),
+            }
+        ),
         "length": Value("int32"),  # L
         "num_patches": Value("int32"),  # ViT patches of all images and videos (before the merger)
     }
@@ -74,6 +85,17 @@ def image_size_kwargs(image_processor, min_pixels: int | None, max_pixels: int |
     shortest = min_pixels if min_pixels is not None else size["shortest_edge"]
     longest = max_pixels if max_pixels is not None else size["longest_edge"]
     return {"size": {"shortest_edge": shortest, "longest_edge": longest}}
+
+
+def size_bounds(image_processor, size_kwargs: dict) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of image-processor call kwargs (the processor's own when they set none)."""
+    size = size_kwargs.get("size", image_processor.size)
+    return size["shortest_edge"], size["longest_edge"]
+
+
+def bounds_kwargs(min_pixels: int, max_pixels: int) -> dict:
+    """Image-processor call kwargs for these pixel bounds."""
+    return {"size": {"shortest_edge": min_pixels, "longest_edge": max_pixels}}
 
 
 def _storable(text: str) -> str:
@@ -94,6 +116,8 @@ def _skipped(sample_id: str, error: SampleError) -> dict:
         "video_grid_thw": [],
         "videos": [],
         "second_per_grid_ts": [],
+        "image_sizes": [],
+        "video_settings": [],
         "length": 0,
         "num_patches": 0,
     }
@@ -123,7 +147,8 @@ class SampleProcessor:
     Args: processor (a Qwen-VL processor: tokenizer, image_processor, chat template), model_config (the HF config;
     its get_rope_index makes the positions), data_format ('auto'|'llava'|'messages'), image_root (for relative
     paths), min_pixels / max_pixels (image bounds; None keeps the processor's), video (VideoSettings; None: the
-    defaults of data.config.DataConfig), raise_errors (on_error: raise).
+    defaults of data.config.DataConfig), raise_errors (on_error: raise), max_visual_tokens (per-sample budget of
+    image and video tokens, data/visual_budget.py; None: no budget).
     """
 
     def __init__(
@@ -136,6 +161,7 @@ class SampleProcessor:
         max_pixels: int | None = None,
         video: VideoSettings | None = None,
         raise_errors: bool = False,
+        max_visual_tokens: int | None = None,
     ):
         self.processor = processor
         self.model_config = model_config
@@ -145,6 +171,7 @@ class SampleProcessor:
         defaults = DataConfig(min_pixels=min_pixels, max_pixels=max_pixels)
         self.video = video or VideoSettings.from_config(defaults, processor.image_processor)
         self.raise_errors = raise_errors
+        self.max_visual_tokens = max_visual_tokens
         self.tokenizer = processor.tokenizer
         self.image_token_id = model_config.image_token_id
         self.video_token_id = model_config.video_token_id
@@ -187,10 +214,29 @@ class SampleProcessor:
         messages, refs, video_refs = normalize_record(record, self.data_format)
         refs = [resolve_ref(ref, self.image_root) for ref in refs]
         images = [load_image(ref) for ref in refs]
-        grids = self.image_grids(images)
         video_refs = [resolve_video(ref, self.image_root) for ref in video_refs]
         clips = [load_clip(ref, self.video.fps, self.video.max_frames) for ref in video_refs]
-        video_grids = [video_grid(self.processor.image_processor, self.video.size_kwargs, clip) for clip in clips]
+        image_processor = self.processor.image_processor
+        image_bounds = size_bounds(image_processor, self.image_kwargs)
+        frame_bounds = size_bounds(image_processor, self.video.size_kwargs)
+        visuals = [Visual(image.height, image.width, *image_bounds) for image in images]
+        visuals += [
+            Visual(clip.frames[0].height, clip.frames[0].width, *frame_bounds, len(clip.frames), self.video.max_frames)
+            for clip in clips
+        ]
+        grids = self.image_grids(images, visuals[: len(images)])
+        video_grids = [video_grid(image_processor, bounds_kwargs(*frame_bounds), clip) for clip in clips]
+        if self.max_visual_tokens is not None:
+            visuals = self.fit_budget(visuals)
+            grids = self.image_grids(images, visuals[: len(images)])
+            clips = [  # a video that lost frames is sampled again, as the collator will sample it
+                load_clip(ref, self.video.fps, visual.max_frames) if visual.max_frames < self.video.max_frames else clip
+                for ref, clip, visual in zip(video_refs, clips, visuals[len(images) :], strict=True)
+            ]
+            video_grids = [
+                video_grid(image_processor, bounds_kwargs(visual.min_pixels, visual.max_pixels), clip)
+                for clip, visual in zip(clips, visuals[len(images) :], strict=True)
+            ]
         seconds = [second_per_grid(clip, self.temporal_patch_size) for clip in clips]
         expansions = [self.video_tokens(clip, grid) for clip, grid in zip(clips, video_grids, strict=True)]
         input_ids, labels = self.tokenize(messages, grids, expansions)
@@ -217,9 +263,35 @@ class SampleProcessor:
             "video_grid_thw": video_grids,
             "videos": video_refs,
             "second_per_grid_ts": seconds,
+            "image_sizes": [[visual.min_pixels, visual.max_pixels] for visual in visuals[: len(images)]],
+            "video_settings": [
+                {
+                    "fps": self.video.fps,
+                    "max_frames": visual.max_frames,
+                    "min_pixels": visual.min_pixels,
+                    "max_pixels": visual.max_pixels,
+                }
+                for visual in visuals[len(images) :]
+            ],
             "length": len(input_ids),
             "num_patches": sum(t * h * w for t, h, w in grids + video_grids),
         }
+
+    def fit_budget(self, visuals: list[Visual]) -> list[Visual]:
+        """The sample's images and videos within data.max_visual_tokens (data/visual_budget.py); SampleError
+        `visual_tokens_over_budget` when they cannot fit."""
+        image_processor = self.processor.image_processor
+        factor = image_processor.patch_size * image_processor.merge_size
+        fitted = fit_visuals(visuals, self.max_visual_tokens, factor, self.temporal_patch_size)
+        if fitted is None:
+            images = sum(not visual.frames for visual in visuals)
+            raise SampleError(
+                "visual_tokens_over_budget",
+                f"{images} images and {len(visuals) - images} videos of "
+                f"{visual_tokens(visuals, factor, self.temporal_patch_size)} visual tokens cannot fit "
+                f"data.max_visual_tokens {self.max_visual_tokens} even at one token per image and frame group",
+            )
+        return fitted
 
     def video_tokens(self, clip, grid: list[int]) -> list[int]:
         """The token ids a video's placeholder token expands to, as the family's processor writes them."""
@@ -237,22 +309,16 @@ class SampleProcessor:
             tokens += [*stamp, start, *[self.video_token_id] * per_patch, end]
         return tokens
 
-    def image_grids(self, images: list) -> list[list[int]]:
-        """(t, h, w) patch grid per image, from the image processor's own resize rule (smart_resize) without
-        running it; the collator checks these grids against the processor's output on every batch."""
+    def image_grids(self, images: list, visuals: list[Visual]) -> list[list[int]]:
+        """(t, h, w) patch grid per image, from the image processor's own resize rule (smart_resize, within each
+        image's bounds in `visuals`) without running it; the collator checks these grids against the processor's
+        output on every batch."""
         image_processor = self.processor.image_processor
-        size = self.image_kwargs.get("size", image_processor.size)
         patch, merge = image_processor.patch_size, image_processor.merge_size
         grids = []
-        for image in images:
+        for image, visual in zip(images, visuals, strict=True):
             try:
-                height, width = smart_resize(
-                    image.height,
-                    image.width,
-                    factor=patch * merge,
-                    min_pixels=size["shortest_edge"],
-                    max_pixels=size["longest_edge"],
-                )
+                height, width = visual.resized(patch * merge)
             except ValueError as error:  # e.g. an aspect ratio beyond 200: the processor cannot use the image
                 raise SampleError("corrupt_image", f"{image.width}x{image.height} image: {error}") from None
             grids.append([1, height // patch, width // patch])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,9 +17,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from data.formats import SKIP_REASONS, DataError
+from data.packing import PackItem
 
 logger = logging.getLogger("data.pipeline")  # the pipeline's log, which users filter by
 SKIP_EXAMPLES_LOGGED = 3
+ITEMS_PER_READ = 4096  # samples whose metadata the plan reads from the numpy arrays at once
 
 
 @dataclass
@@ -30,6 +33,8 @@ class DataStats:
     kept_eval: int = 0
     skipped: Counter = field(default_factory=Counter)
     skip_examples: dict[str, list[str]] = field(default_factory=dict)
+    train_tokens: int = 0  # tokens of the kept training samples (in-memory mode)
+    sources: dict[str, DataStats] = field(default_factory=dict)  # a mixture's stats per source name, in order
 
     def skip(self, reason: str, sample_id: str, detail: str) -> None:
         self.skipped[reason] += 1
@@ -44,6 +49,16 @@ class DataStats:
             f"records={self.records} kept_train={self.kept_train} kept_eval={self.kept_eval} "
             f"skipped={sum(self.skipped.values())} ({reasons})"
         )
+
+    def add(self, other: DataStats) -> None:
+        """Count `other`'s records, samples, skips and examples in these stats too (a mixture's total)."""
+        self.records += other.records
+        self.kept_train += other.kept_train
+        self.kept_eval += other.kept_eval
+        self.train_tokens += other.train_tokens
+        self.skipped.update(other.skipped)
+        for reason, examples in other.skip_examples.items():
+            self.skip_examples.setdefault(reason, []).extend(examples)
 
 
 def too_long_detail(length: int, max_tokens: int) -> str:
@@ -102,6 +117,11 @@ class RowMeta:
             skipped=pc.not_equal(table.column("skip_reason"), "").to_numpy(),
         )
 
+    @classmethod
+    def concat(cls, parts: list[RowMeta]) -> RowMeta:
+        """The rows of `parts` one after another (a mixture's sources)."""
+        return cls(*(np.concatenate([getattr(part, name) for part in parts]) for name in cls.__dataclass_fields__))
+
 
 def kept_rows(table: pa.Table, meta: RowMeta, max_tokens: int, stats: DataStats, raise_errors: bool) -> np.ndarray:
     """(N,) bool: the rows that become samples; the others (a skip_reason, or longer than `max_tokens`) are counted
@@ -138,3 +158,15 @@ def _skip_of(table: pa.Table, meta: RowMeta, row: int, reason: str, max_tokens: 
     if meta.skipped[row]:
         return sample_id, reason, table.column("skip_detail")[row].as_py()
     return sample_id, reason, too_long_detail(int(meta.lengths[row]), max_tokens)
+
+
+def pack_items(rows: RowMeta, order: np.ndarray) -> Iterator[PackItem]:
+    """PackItems of the row indices `order`, in order, made ITEMS_PER_READ at a time as the plan consumes them, so
+    only the planner's buffer of them is alive."""
+    for start in range(0, len(order), ITEMS_PER_READ):
+        keys = order[start : start + ITEMS_PER_READ]
+        lengths, patches, kinds = rows.lengths[keys].tolist(), rows.patches[keys].tolist(), rows.kinds[keys]
+        for key, length, num_patches, (has_images, has_videos) in zip(
+            keys.tolist(), lengths, patches, kinds.tolist(), strict=True
+        ):
+            yield PackItem(key, length, num_patches, has_images=has_images, has_videos=has_videos)

@@ -110,7 +110,7 @@ def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
 
 def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | IterableDataset, str | None]:
     """(records, image_root): the raw records of `data.path` and where relative image paths resolve."""
-    path = os.path.expanduser(data_cfg.path)
+    path = os.path.expanduser(data_cfg.path or "builtin")
     if path == "builtin":
         directory = builtin_path(data_cfg, cache_root).parent
         path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share))
