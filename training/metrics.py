@@ -19,7 +19,7 @@ import logging
 import math
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -28,6 +28,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from core.families import FAMILIES
+from data.config import source_names
 from training import parts, run_files
 from training.config import Config
 
@@ -236,6 +237,8 @@ class IntervalCounts:
     budget_tokens: int = 0  # packs x token budget: the denominator of pack efficiency
     flops: float = 0.0
     skipped_samples: int = 0  # samples whose image no longer loaded (stand-ins without labels, data/collate.py)
+    source_samples: list[int] = field(default_factory=list)  # a mixture's samples per source (data.sources order)
+    source_tokens: list[int] = field(default_factory=list)  # and their tokens
 
     def add_batch(self, batch: dict, budget: int, flops: float) -> None:
         self.tokens += batch["num_text_tokens"] + batch["num_image_tokens"] + batch.get("num_video_tokens", 0)
@@ -245,6 +248,20 @@ class IntervalCounts:
         self.budget_tokens += budget
         self.flops += flops
         self.skipped_samples += batch["num_skipped_samples"]
+        if "num_source_samples" in batch:
+            self.source_samples = _summed(self.source_samples, batch["num_source_samples"])
+            self.source_tokens = _summed(self.source_tokens, batch["num_source_tokens"])
+
+
+def _summed(total: list[int], counts: list[int]) -> list[int]:
+    """Element-wise `total` + `counts` (an empty `total` counts as zeros)."""
+    return [a + b for a, b in zip(total or [0] * len(counts), counts, strict=True)]
+
+
+def source_metrics(names: list[str], samples: list[float], tokens: list[float]) -> dict[str, int]:
+    """A mixture's interval counts as metrics: `source_samples/<name>` and `source_tokens/<name>`."""
+    metrics = {f"source_samples/{name}": int(count) for name, count in zip(names, samples, strict=True)}
+    return metrics | {f"source_tokens/{name}": int(count) for name, count in zip(names, tokens, strict=True)}
 
 
 def interval_metrics(
@@ -365,6 +382,7 @@ class MetricsLogger:
         if accelerator.is_main_process:
             run_files.keep_metrics_through(run_dir, start_step)
         self.counts, self.timed_counts = IntervalCounts(), IntervalCounts()
+        self.source_names = source_names(cfg.data.sources) if cfg.data.sources else []
         self.pending: list[PendingStep] = []
         self.interval_clock, self.timed_clock = Stopwatch(device), Stopwatch(device)
         self.warmup_end = start_step + cfg.logging.timing_warmup_steps
@@ -432,10 +450,13 @@ class MetricsLogger:
             counts.flops,
             counts.skipped_samples,
         ]
+        sources = len(self.source_names)
+        host += (counts.source_samples or [0] * sources) + (counts.source_tokens or [0] * sources)
         device_values = torch.stack([p.device_values for p in pending]).double().flatten()
         host_values = torch.tensor(host, dtype=torch.float64).to(accelerator.device)
         values = accelerator.reduce(torch.cat([device_values, host_values]), reduction="sum").tolist()
-        step_device, step_host, interval = values[: 3 * n], values[3 * n : 5 * n], values[5 * n :]
+        step_device, step_host, interval = values[: 3 * n], values[3 * n : 5 * n], values[5 * n : 5 * n + 7]
+        per_source = values[5 * n + 7 :]
         tokens, text, image, patches, budget, flops, skipped = interval
         summed = IntervalCounts(
             counts.steps, int(tokens), int(text), int(image), int(patches), int(budget), flops, int(skipped)
@@ -455,6 +476,7 @@ class MetricsLogger:
             }
             if i == n - 1:
                 record.update(interval_metrics(summed, elapsed, world, self.peak, peak_mem))
+                record.update(source_metrics(self.source_names, per_source[:sources], per_source[sources:]))
             self.emit(record)
         self.counts = IntervalCounts()
         self.pending = []
