@@ -4,7 +4,9 @@
 
 Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
 text vs image vs video tokens, image and video counts, ViT patches, and a few decoded samples with the label mask:
-trained (assistant) tokens in [[...]].
+trained (assistant) tokens in [[...]]. A mixture (data.sources) adds a line per source (records, kept, skipped,
+kept training tokens) and the realised mixture: each source's samples and tokens in epoch 0's plan against its
+weight.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import pyarrow.compute as pc
 
 from core.config_tree import ConfigError
 from core.families import hf_config
+from data.config import source_names
 from data.formats import DataError
 from data.pipeline import ProcessedRows, build_data, load_processor
 from data.processing import IGNORE_INDEX
@@ -94,13 +97,15 @@ def _row_count(row: dict) -> list[int]:
 
 
 def epoch_totals(loader) -> dict[str, int]:
-    """Epoch 0's planned packs, tokens, padded tokens (padded mode) and ROW_COUNTS summed over its samples.
+    """Epoch 0's planned packs, tokens, padded tokens (padded mode) and ROW_COUNTS summed over its samples; for a
+    mixture also `source_samples` and `source_tokens`, lists in data.sources order.
 
-    Walks the plan once, holding one step at a time: the in-memory mode marks the planned rows and sums their
-    counts from the processed dataset's columns; the streaming mode (whose keys are the rows) sums row by row."""
+    Walks the plan once, holding one step at a time: the in-memory mode counts how often each row is planned (a
+    mixture may repeat a row) and sums their counts from the processed dataset's columns; the streaming mode
+    (whose keys are the rows) sums row by row."""
     totals = dict.fromkeys(("packs", "tokens", "padded_tokens", *ROW_COUNTS), 0)
     in_memory = isinstance(loader.fetch, ProcessedRows)
-    planned = np.zeros(len(loader.fetch.dataset) if in_memory else 0, dtype=bool)
+    planned = np.zeros(len(loader.fetch.dataset) if in_memory else 0, dtype=np.int64)
     streamed = np.zeros(len(ROW_COUNTS), dtype=np.int64)
     for step in loader.steps(0):
         for pack in step:
@@ -108,12 +113,37 @@ def epoch_totals(loader) -> dict[str, int]:
             totals["tokens"] += pack.tokens
             totals["padded_tokens"] += len(pack.items) * max(item.length for item in pack.items)
             if in_memory:
-                planned[[item.key for item in pack.items]] = True
+                np.add.at(planned, [item.key for item in pack.items], 1)
             else:
                 streamed += np.sum([_row_count(item.key) for item in pack.items], axis=0, dtype=np.int64)
     if in_memory:
-        streamed = row_counts(loader.fetch.dataset.data.table)[planned].sum(0)
+        table = loader.fetch.dataset.data.table
+        streamed = (row_counts(table) * planned[:, None]).sum(0)
+        starts = loader.fetch.source_starts
+        if starts is not None:
+            lengths = table.column("length").to_numpy().astype(np.int64)
+            bounds = [*starts.tolist(), len(planned)]
+            spans = list(itertools.pairwise(bounds))
+            totals["source_samples"] = [int(planned[a:b].sum()) for a, b in spans]
+            totals["source_tokens"] = [int((planned[a:b] * lengths[a:b]).sum()) for a, b in spans]
     return totals | dict(zip(ROW_COUNTS, streamed.tolist(), strict=True))
+
+
+def mixture_lines(sources, stats, totals: dict) -> list[str]:
+    """Per source: its records, kept and skipped samples and kept training tokens, then its weight's share against
+    its share of epoch 0's planned samples and tokens (the realised mixture)."""
+    weight_sum = sum(source.weight for source in sources)
+    samples, tokens = sum(totals["source_samples"]), sum(totals["source_tokens"])
+    lines = ["sources (kept training tokens; weight share -> epoch 0's share of samples, of tokens):"]
+    for index, (source, name) in enumerate(zip(sources, source_names(sources), strict=True)):
+        source_stats = stats.sources[name]
+        lines.append(
+            f"  {name} ({source.path}): {source_stats.summary()} tokens={source_stats.train_tokens}; "
+            f"weight {source.weight:g} = {source.weight / weight_sum:.1%} -> samples "
+            f"{totals['source_samples'][index]} = {totals['source_samples'][index] / max(1, samples):.1%}, tokens "
+            f"{totals['source_tokens'][index]} = {totals['source_tokens'][index] / max(1, tokens):.1%}"
+        )
+    return lines
 
 
 def main() -> None:
@@ -138,8 +168,11 @@ def main() -> None:
     packs, tokens = totals["packs"], totals["tokens"]
     image_tokens, video_tokens = totals["image_patches"] // merge, totals["video_patches"] // merge
     text_tokens = tokens - image_tokens - video_tokens
-    print(f"data.path={cfg.data.path} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
+    where = f"data.sources: {len(cfg.data.sources)}" if cfg.data.sources else f"data.path={cfg.data.path or 'builtin'}"
+    print(f"{where} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
     print(f"samples: {stats.summary()}")
+    if cfg.data.sources:
+        print("\n".join(mixture_lines(cfg.data.sources, stats, totals)))
     for reason, examples in stats.skip_examples.items():
         for example in examples:
             print(f"  skipped {reason}: {example}")
