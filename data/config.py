@@ -161,10 +161,11 @@ def source_names(sources: list[SourceConfig]) -> list[str]:
     name; a label still shared gets the source's index appended."""
     paths = [Path(source.path.rstrip("/")) for source in sources]
     stems = [path.stem or str(path) for path in paths]
+    unnamed = [stem for source, stem in zip(sources, stems, strict=True) if source.name is None]
     names = []
     for source, path, stem in zip(sources, paths, stems, strict=True):
         if source.name is not None:
             names.append(source.name)
         else:
-            names.append(stem if stems.count(stem) == 1 or not path.parent.name else path.parent.name)
+            names.append(stem if unnamed.count(stem) == 1 or not path.parent.name else path.parent.name)
     return [name if names.count(name) == 1 else f"{name}{index}" for index, name in enumerate(names)]

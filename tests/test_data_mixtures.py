@@ -1,0 +1,204 @@
+"""Weighted mixtures of sources (data.sources, data/mixture.py): realised weights, repeats and subsampling, exact
+resume, per-source caches, per-source counts in batches and metrics, and the config's errors."""
+
+import itertools
+import os
+import re
+
+import numpy as np
+import pytest
+import torch
+
+from core.config_tree import ConfigError
+from core.families import hf_config
+from data.config import SourceConfig, source_names
+from data.mixture import MixtureOrder, quotas
+from data.pipeline import build_data, load_processor
+from data.row_meta import RowMeta
+from data.synthetic import write_builtin_dataset
+from training.config import load_config
+from training.metrics import IntervalCounts, source_metrics
+
+SIGMAS = 5.0  # a realised share may stray this many binomial standard deviations from its weight's share
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    """Three small JSONL sources of the built-in kinds: images only (60), videos only (30), mixed (24)."""
+    root = tmp_path_factory.mktemp("mixture-sources")
+    return {
+        "images": write_builtin_dataset(root / "images", 60, 1, 0.0),
+        "videos": write_builtin_dataset(root / "videos", 30, 2, 1.0),
+        "mixed": write_builtin_dataset(root / "mixed", 24, 3, 0.3),
+    }
+
+
+def mixture_cfg(cache, sources_yaml: str, *overrides: str):
+    return load_config(
+        "recipes/tiny-qwen2_5_vl.yaml",
+        [
+            f"data.cache_dir={cache}",
+            "data.num_workers=0",
+            "data.path=null",
+            f"data.sources={sources_yaml}",
+            "packing.max_tokens=768",
+            *overrides,
+        ],
+    )
+
+
+def build(cfg):
+    processor = load_processor(cfg.model, cfg.data)
+    return build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model))
+
+
+def fake_rows(sizes: list[int]) -> tuple[RowMeta, tuple[np.ndarray, ...]]:
+    """RowMeta of sum(sizes) text-only rows of 10 tokens, and each source's row indices."""
+    total = sum(sizes)
+    rows = RowMeta(
+        lengths=np.full(total, 10, np.int32),
+        patches=np.zeros(total, np.int32),
+        kinds=np.zeros((total, 2), bool),
+        skipped=np.zeros(total, bool),
+    )
+    starts = np.cumsum([0, *sizes])
+    return rows, tuple(np.arange(a, b, dtype=np.int64) for a, b in itertools.pairwise(starts))
+
+
+def test_weights_are_realised_within_sampling_noise_over_a_long_draw():
+    """Sources of 40, 400 and 4,000 samples weighted 5:3:2, drawn for 30 epochs (133,200 draws): each source's
+    share of every epoch is its weight's share to within one sample (largest-remainder quotas), and of every
+    epoch's first 2,000 draws within SIGMAS binomial standard deviations, sqrt(p(1-p)/n) (a without-replacement
+    draw varies less). The small source repeats (each sample ~46 times an epoch, evenly: counts differ by <= 1), the
+    large one is subsampled and shows all its samples, each once, before any repeats."""
+    sizes, weights = [40, 400, 4000], (5.0, 3.0, 2.0)
+    rows, indices = fake_rows(sizes)
+    mixture = MixtureOrder(rows, indices, weights, seed=7)
+    total, shares = sum(sizes), np.asarray(weights) / sum(weights)
+    owner = np.repeat(np.arange(3), sizes)
+    seen_large = []
+    for epoch in range(30):
+        order = mixture.order(epoch)
+        assert len(order) == total
+        counts = np.bincount(owner[order], minlength=3)
+        assert np.all(np.abs(counts / total - shares) <= 1 / total)
+        head = np.bincount(owner[order[:2000]], minlength=3) / 2000
+        assert np.all(np.abs(head - shares) <= SIGMAS * np.sqrt(shares * (1 - shares) / 2000))
+        small = np.bincount(order[owner[order] == 0], minlength=40)
+        assert small.max() - small.min() <= 1 and small.min() >= 1
+        seen_large.extend(order[owner[order] == 2].tolist())
+    quota = round(shares[2] * total)  # 888 of the 4,000 an epoch: epochs 0-3 inside the first pass, 4 crosses it
+    assert len(set(seen_large[: 4 * quota])) == 4 * quota and len(set(seen_large[: 5 * quota])) == 4000
+
+
+def test_mixture_order_is_a_function_of_seed_and_epoch():
+    """The same (seed, epoch) gives the same order (what resuming relies on); another epoch or seed another one."""
+    rows, indices = fake_rows([30, 70])
+    a, b = MixtureOrder(rows, indices, (1.0, 1.0), seed=3), MixtureOrder(rows, indices, (1.0, 1.0), seed=3)
+    assert np.array_equal(a.order(2), b.order(2))
+    assert not np.array_equal(a.order(2), a.order(3))
+    assert not np.array_equal(a.order(2), MixtureOrder(rows, indices, (1.0, 1.0), seed=4).order(2))
+    assert quotas([1.0, 1.0, 1.0], 10).tolist() in ([4, 3, 3], [3, 4, 3], [3, 3, 4])
+
+
+def test_mixture_resumes_exactly_mid_epoch_and_counts_per_source(tmp_path, sources):
+    """A mixture loader restored from state_dict mid-epoch (and across the epoch boundary) yields exactly the batches
+    the original would have yielded next; every batch counts its samples and tokens per source (Python ints that
+    sum to the pack's), and the interval metrics name them."""
+    spec = (
+        f"[{{path: {sources['images']}, weight: 1}}, {{path: {sources['videos']}, weight: 3}}, "
+        f"{{path: {sources['mixed']}, weight: 1, max_samples: 16}}]"
+    )
+    cfg = mixture_cfg(tmp_path, spec)
+    train, _, stats = build(cfg)
+    assert list(stats.sources) == ["images", "videos", "mixed"] and stats.sources["mixed"].records == 16
+    steps_per_epoch = len(list(train.steps(0)))
+    original = iter(train)
+    counts = IntervalCounts()
+    for _ in range(steps_per_epoch - 2):
+        batch = next(original)
+        assert sum(batch["num_source_tokens"]) == batch["input_ids"].shape[1]
+        assert sum(batch["num_source_samples"]) == len(batch["sample_lengths"])
+        counts.add_batch(batch, 768, 0.0)
+    metrics = source_metrics(["images", "videos", "mixed"], counts.source_samples, counts.source_tokens)
+    assert metrics["source_samples/videos"] > metrics["source_samples/images"] > 0
+    state = train.state_dict()
+    expected = [next(original) for _ in range(4)]  # crosses into epoch 1
+    resumed, _, _ = build(cfg)
+    resumed.load_state_dict(state)
+    got = [batch for _, batch in zip(range(4), resumed, strict=False)]
+    for a, b in zip(expected, got, strict=True):
+        assert torch.equal(a["input_ids"], b["input_ids"]) and a["num_source_samples"] == b["num_source_samples"]
+
+
+def _cache_files(loader) -> dict[str, int]:
+    """The processed datasets' arrow files behind a loader and their mtimes (ns)."""
+    files = [entry["filename"] for entry in loader.fetch.dataset.cache_files]
+    return {path: os.stat(path).st_mtime_ns for path in files}
+
+
+def test_each_source_keeps_its_cache_when_another_changes(tmp_path, sources):
+    """Reweighting reuses every source's processed file; changing one source's records and adding another
+    reprocesses those two only: the untouched source's processed file is the same file, not rewritten."""
+    changed = tmp_path / "changed"
+    write_builtin_dataset(changed, 20, 5, 0.0)
+    cache = tmp_path / "cache"
+    first, _, _ = build(mixture_cfg(cache, f"[{{path: {sources['images']}}}, {{path: {changed / 'data.jsonl'}}}]"))
+    before = _cache_files(first)
+    assert len(before) == 2
+    reweighted, _, _ = build(
+        mixture_cfg(cache, f"[{{path: {sources['images']}, weight: 4}}, {{path: {changed / 'data.jsonl'}}}]")
+    )
+    assert _cache_files(reweighted) == before
+    lines = (changed / "data.jsonl").read_text().splitlines(keepends=True)
+    (changed / "data.jsonl").write_text("".join(lines[:15]))
+    spec = f"[{{path: {sources['images']}}}, {{path: {changed / 'data.jsonl'}}}, {{path: {sources['mixed']}}}]"
+    after = _cache_files(build(mixture_cfg(cache, spec))[0])
+    kept = set(before) & set(after)
+    assert len(after) == 3 and len(kept) == 1
+    (same,) = kept
+    assert after[same] == before[same]
+
+
+def test_held_out_samples_come_from_every_source_at_its_own_share(tmp_path, sources):
+    """Each source holds out its own eval share (a source's eval_fraction, else data.eval_fraction); the eval loader
+    passes over all of them once."""
+    spec = f"[{{path: {sources['images']}, eval_fraction: 0.25}}, {{path: {sources['videos']}}}]"
+    _, evaluation, stats = build(mixture_cfg(tmp_path, spec, "data.eval_fraction=0.1"))
+    assert stats.sources["images"].kept_eval == 15 and stats.sources["videos"].kept_eval == 3
+    keys = [item.key for step in evaluation.steps(0) for pack in step for item in pack.items]
+    sources = [row["source"] for row in evaluation.fetch(keys)]
+    assert len(set(keys)) == len(keys) == 18 and sources.count(0) == 15 and sources.count(1) == 3
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["data.path=a.jsonl", "data.sources=[{path: b.jsonl}]"], "data.path (a.jsonl) and data.sources are both set"),
+        (["data.sources=[]"], "data.sources is empty"),
+        (["data.sources=[{weight: 2}]"], "data.sources[0].path is required"),
+        (["data.sources=[{path: a.jsonl, weight: 0}]"], "data.sources[0].weight must be > 0"),
+        (["data.sources=[{path: a.jsonl, eval_fraction: 1.5}]"], "data.sources[0]: data.eval_fraction"),
+        (["data.sources=[{path: a.jsonl}]", "data.streaming=true"], "needs data.streaming=false"),
+        (["data.sources=[{path: a.jsonl, name: x}, {path: b.jsonl, name: x}]"], "names must be unique"),
+        (["data.max_visual_tokens=0"], "data.max_visual_tokens must be >= 1"),
+    ],
+)
+def test_mixture_config_errors_are_one_line(overrides, message):
+    """data.path beside data.sources, and bad source keys, are ConfigErrors naming the key."""
+    base = [] if any(o.startswith("data.path=") for o in overrides) else ["data.path=null"]
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("recipes/tiny-qwen2_5_vl.yaml", [*base, *overrides])
+
+
+def test_default_source_names_are_unique_and_readable():
+    """Sources named by their file's stem, by their directory where stems repeat (data.jsonl), else indexed."""
+    names = source_names(
+        [
+            SourceConfig(path="/d/caption/data.jsonl"),
+            SourceConfig(path="/d/vqa/data.jsonl"),
+            SourceConfig(path="/d/extra.parquet"),
+            SourceConfig(path="/e/extra.parquet", name="mine"),
+        ]
+    )
+    assert names == ["caption", "vqa", "extra", "mine"]
