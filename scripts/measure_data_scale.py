@@ -18,6 +18,10 @@ included, shared pages counted once).
 processed cache `prebuild` writes by processing each distinct record once (its rows are exactly those of a full
 first build, which processes every line alike), so a machine too busy for a full first build still measures the
 cached start and memory at that size; its first build is then not measured (null).
+
+`--sources S` (default 1): the N records are S sources of a weighted mixture (`data.sources`, weights
+MIXTURE_WEIGHTS), N/S records each, source i written with seed i (so the sources differ); with `--repeat R`, each
+source over R is its own R records repeated.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ SAMPLE_S = 0.5
 GIB = 2**30
 BUILT = re.compile(r"built in ([\d.]+)s")  # inspect_data's build_data time
 READY = re.compile(r"data: .* \(ready in ([\d.]+) s\)")  # the pipeline's log line in train.py
+MIXTURE_WEIGHTS = (0.5, 0.3, 0.2, 0.1)  # the first S of them, for --sources S
 
 
 def _tree_pss(process: psutil.Process) -> int:
@@ -124,20 +129,51 @@ def repeated_records(records: int, source: Path, data: Path) -> None:
             out.writelines(lines[: records - start])
 
 
-def measure(records: int, work: Path, extra: list[str], repeat: int | None = None) -> dict:
-    """The three commands of the module docstring for `records` records; their measurements and command lines.
-    With `repeat` (< records): the records of `repeat` repeated, the cache prebuilt, the first build not measured."""
-    data = work / (f"llava-{repeat}-repeated-{records}" if repeat else f"llava-{records}")
+def _records_dir(work: Path, count: int, seed: int) -> Path:
+    return work / (f"llava-{count}" if seed == 0 else f"llava-{count}-seed{seed}")
+
+
+def source_data(work: Path, count: int, seed: int, repeat: int | None) -> Path:
+    """The data.jsonl of `count` records written with `seed` (with `repeat` < count: `repeat` of them repeated),
+    written under `work` unless there already."""
+    data = _records_dir(work, count, seed)
+    if repeat:
+        data = data.with_name(f"{_records_dir(work, repeat, seed).name}-repeated-{count}")
     if not (data / "data.jsonl").exists():
         if repeat:
-            repeated_records(records, work / f"llava-{repeat}", data)
+            base = _records_dir(work, repeat, seed)
+            if not (base / "data.jsonl").exists():
+                write_llava_records(base, repeat, seed=seed)
+            repeated_records(count, base, data)
         else:
-            write_llava_records(data, records)
-    cache = work / f"cache-{records}"
+            write_llava_records(data, count, seed=seed)
+    return data / "data.jsonl"
+
+
+def data_overrides(records: int, work: Path, repeat: int | None, sources: int) -> list[str]:
+    """data.path of one source, or data.sources of `sources` (records split evenly, weights MIXTURE_WEIGHTS)."""
+    if sources == 1:
+        repeat = repeat if repeat is not None and records > repeat else None
+        return [f"data.path={source_data(work, records, 0, repeat)}"]
+    entries = []
+    for index in range(sources):
+        count = records // sources + (index < records % sources)
+        source_repeat = repeat if repeat is not None and count > repeat else None
+        path = source_data(work, count, index, source_repeat)
+        entries.append(f"{{path: {path}, weight: {MIXTURE_WEIGHTS[index]}}}")
+    return ["data.path=null", f"data.sources=[{', '.join(entries)}]"]
+
+
+def measure(records: int, work: Path, extra: list[str], repeat: int | None = None, sources: int = 1) -> dict:
+    """The three commands of the module docstring for `records` records (in `sources` sources); their measurements
+    and command lines. With `repeat` (< records): the records of `repeat` repeated, the cache prebuilt, the first
+    build not measured."""
+    tag = f"{records}" if sources == 1 else f"{records}-{sources}sources"
+    cache = work / f"cache-{tag}"
     shutil.rmtree(cache, ignore_errors=True)
-    common = [f"data.path={data / 'data.jsonl'}", f"data.cache_dir={cache}", *extra]
+    common = [*data_overrides(records, work, repeat, sources), f"data.cache_dir={cache}", *extra]
     inspect = [sys.executable, "-m", "scripts.inspect_data", "--config", RECIPE, *common]
-    run_dir = work / f"run-{records}"
+    run_dir = work / f"run-{tag}"
     shutil.rmtree(run_dir, ignore_errors=True)
     train = [
         sys.executable,
@@ -148,7 +184,7 @@ def measure(records: int, work: Path, extra: list[str], repeat: int | None = Non
         "train.max_steps=1",
         f"train.output_dir={run_dir}",
     ]
-    result = {"records": records, "repeated_from": repeat}
+    result = {"records": records, "sources": sources, "repeated_from": repeat}
     commands = [("first_build", inspect, BUILT), ("cached_inspect", inspect, BUILT), ("cached_train", train, READY)]
     if repeat:
         command = [sys.executable, "-c", f"import sys; from {__spec__.name} import prebuild; prebuild(sys.argv[1:])"]
@@ -157,12 +193,12 @@ def measure(records: int, work: Path, extra: list[str], repeat: int | None = Non
         result["prebuild_s"] = round(time.perf_counter() - started, 1)
         result["first_build"], commands = None, commands[1:]
     for name, command, pattern in commands:
-        log = work / f"{name}-{records}.log"
+        log = work / f"{name}-{tag}.log"
         result[name] = run_measured(command, log) | {
             "data_s": _logged_seconds(pattern, log),
             "command": " ".join(command).replace(sys.executable, "python"),
         }
-        print(f"[data-scale] {records} records, {name}: {json.dumps(result[name])}", flush=True)
+        print(f"[data-scale] {records} records ({sources} sources), {name}: {json.dumps(result[name])}", flush=True)
     return result
 
 
@@ -172,6 +208,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--work", required=True, help="directory for the data, caches, runs and logs")
     parser.add_argument("--out", required=True, help="result JSON")
     parser.add_argument("--repeat", type=int, help="measure larger counts on this count's records repeated")
+    parser.add_argument(
+        "--sources", type=int, default=1, choices=range(1, len(MIXTURE_WEIGHTS) + 1), help="sources of a mixture"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides for every command")
     args = parser.parse_args(argv)
     work = Path(args.work).resolve()
@@ -184,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     result = {"provenance": provenance(), "machine": machine, "recipe": RECIPE, "runs": []}
     for records in args.records:
         repeat = args.repeat if args.repeat is not None and records > args.repeat else None
-        result["runs"].append(measure(records, work, args.overrides, repeat))
+        result["runs"].append(measure(records, work, args.overrides, repeat, args.sources))
         Path(args.out).write_text(json.dumps(result, indent=2) + "\n")  # what is measured so far survives a kill
     print(Path(args.out).resolve())
 

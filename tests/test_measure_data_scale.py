@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from core.families import hf_config
 from data import pipeline, processing
 from scripts.inspect_data import epoch_totals
 from scripts.make_llava_records import write_llava_records
-from scripts.measure_data_scale import RECIPE, prebuild, repeated_records, run_measured
+from scripts.measure_data_scale import (
+    MIXTURE_WEIGHTS,
+    RECIPE,
+    data_overrides,
+    prebuild,
+    repeated_records,
+    run_measured,
+)
 from training.config import load_config
 
 
@@ -46,3 +54,16 @@ def test_a_prebuilt_cache_of_repeated_records_is_the_one_a_full_build_writes(tmp
         plans[cache] = (len(processed), stats.summary(), epoch_totals(train))
     assert plans["prebuilt"][0] == 0 and plans["full"][0] == 30
     assert plans["prebuilt"][1:] == plans["full"][1:]
+
+
+def test_a_mixture_splits_the_records_over_its_sources(tmp_path):
+    """--sources 3: the records split evenly over three sources of their own seeds, each source over --repeat its
+    own records repeated, named in data.sources with the mixture's weights; the overrides load as a recipe."""
+    overrides = data_overrides(10, tmp_path, repeat=2, sources=3)
+    cfg = load_config(RECIPE, overrides)
+    paths = [source.path for source in cfg.data.sources]
+    assert cfg.data.path is None and [s.weight for s in cfg.data.sources] == list(MIXTURE_WEIGHTS[:3])
+    lines = [Path(path).read_text().splitlines() for path in paths]
+    assert [len(source) for source in lines] == [4, 3, 3]
+    assert all(source[2:] == source[: len(source) - 2] for source in lines)  # two records, repeated
+    assert len({source[0] for source in lines}) == 3  # the sources differ
