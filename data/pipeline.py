@@ -270,7 +270,8 @@ class StepLoader:
         if stats is not None and stats.kept_train == 0 and too_long:
             return (
                 f"no sample was kept, {too_long} longer than packing.max_tokens={self.packing.max_tokens} "
-                "(too_long, video_too_long); raise packing.max_tokens (or lower data.video_max_frames)."
+                "(too_long, video_too_long); raise packing.max_tokens (or set data.max_visual_tokens to shrink images "
+                "and videos to fit)."
             )
         return (
             f"too few kept samples (see the data stats), or fewer packs than one optimizer step ({self.world_size} "
