@@ -10,9 +10,10 @@ runs on it: the load average before and after each is recorded):
   cached        the same command again (the processed dataset from the cache)
   train start   `python train.py ... train.max_steps=1` from the cache: the whole run (model, data, one step, the
                 checkpoint and export)
-For each: wall seconds, the build time the command logs, and peak memory sampled every SAMPLE_S: the main
-process's RSS (what `/usr/bin/time -v` reports) and the whole process tree's PSS (loader workers and their server
-included, shared pages counted once).
+For each: wall seconds, CPU seconds (user + system of the command and every process it started: on a shared
+machine, what the command itself costs, which the wall time shows only when the cores are idle), the build time the
+command logs, and peak memory sampled every SAMPLE_S: the main process's RSS (what `/usr/bin/time -v` reports) and
+the whole process tree's PSS (loader workers and their server included, shared pages counted once).
 
 `--repeat R`: a count above R is measured on R's records repeated (the JSONL's lines over and over), whose
 processed cache `prebuild` writes by processing each distinct record once (its rows are exactly those of a full
@@ -30,6 +31,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -62,10 +64,17 @@ def _tree_pss(process: psutil.Process) -> int:
     return total
 
 
+def _children_cpu_s() -> float:
+    """User + system seconds of this process's finished (and waited-for) descendants so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_measured(command: list[str], log: Path) -> dict:
-    """Run `command` from the repository root, its output into `log`; {wall_s, peak_rss_gib (main process),
-    peak_tree_pss_gib, load_before, load_after, exit_code}. Raises when it fails."""
+    """Run `command` from the repository root, its output into `log`; {wall_s, cpu_s, peak_rss_gib (main process),
+    peak_tree_pss_gib, load_before, load_after}. Raises when it fails."""
     load_before = os.getloadavg()
+    cpu_before = _children_cpu_s()
     started = time.perf_counter()
     with log.open("w") as out:
         child = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
@@ -83,6 +92,7 @@ def run_measured(command: list[str], log: Path) -> dict:
         raise RuntimeError(f"{' '.join(command)} failed ({child.returncode}); see {log}")
     return {
         "wall_s": round(wall, 1),
+        "cpu_s": round(_children_cpu_s() - cpu_before, 1),
         "peak_rss_gib": round(peak_rss / GIB, 3),
         "peak_tree_pss_gib": round(peak_pss / GIB, 3),
         "load_before": [round(x, 2) for x in load_before],

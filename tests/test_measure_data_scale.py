@@ -21,10 +21,15 @@ from training.config import load_config
 
 
 def test_peak_memory_of_a_command_is_sampled(tmp_path):
-    """run_measured records at least the memory a command holds for a while (here 300 MiB for 1.5 s)."""
-    hold = "import time; block = bytearray(300 * 2**20); block[::4096] = b'x' * len(block[::4096]); time.sleep(1.5)"
+    """run_measured records at least the memory a command holds for a while (here 300 MiB for 1.5 s), and the CPU
+    time it spends (here a 0.5 s busy loop) apart from the time it sleeps."""
+    hold = (
+        "import time; block = bytearray(300 * 2**20); block[::4096] = b'x' * len(block[::4096]); "
+        "end = time.process_time() + 0.5\nwhile time.process_time() < end: pass\ntime.sleep(1.5)"
+    )
     measured = run_measured([sys.executable, "-c", hold], tmp_path / "log")
     assert measured["peak_rss_gib"] >= 0.29 and measured["peak_tree_pss_gib"] >= 0.29 and measured["wall_s"] >= 1.5
+    assert 0.5 <= measured["cpu_s"] < measured["wall_s"]
 
 
 def test_a_prebuilt_cache_of_repeated_records_is_the_one_a_full_build_writes(tmp_path, monkeypatch):
