@@ -422,7 +422,7 @@ def test_report_names_what_was_replaced(tiny_model):
     report = patch_model(model)
     unpatch_model(model)
     flavours = {m.flavour for m in report.modules}
-    assert "text mRoPE interleaved [3, 3, 2], R=8 of D=32" in flavours
+    assert "text mRoPE interleaved [2, 1, 1], R=8 of D=32" in flavours
 
 
 def test_two_models_of_one_family_with_different_configs(tiny_model, reference_ops):
