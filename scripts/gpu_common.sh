@@ -4,7 +4,7 @@
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
-# NVLink multicast off for every collective library (training/distributed.py says why)
+# NVLink multicast off for every collective library (core/distributed.py says why)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # Wheels carried in .whl/ (for machines without a package index) go to a private site dir.
 if compgen -G ".whl/*.whl" >/dev/null; then
