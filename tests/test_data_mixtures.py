@@ -1,5 +1,5 @@
-"""Weighted mixtures of sources (data.sources, data/mixture.py): realised weights, repeats and subsampling, exact
-resume, per-source caches, per-source counts in batches and metrics, and the config's errors."""
+"""Weighted mixtures of sources (data.sources; data/row_meta.py's MixtureOrder): realised weights, repeats and
+subsampling, exact resume, per-source caches, per-source counts in batches and metrics, and the config's errors."""
 
 import itertools
 import os
@@ -9,15 +9,14 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.config import SourceConfig, source_names
-from data.mixture import MixtureOrder, quotas
 from data.pipeline import build_data, load_processor
-from data.row_meta import RowMeta
+from data.row_meta import MixtureOrder, RowMeta, quotas
 from data.synthetic import write_builtin_dataset
-from training.config import load_config
-from training.metrics import IntervalCounts, source_metrics
+from trainer.metrics import IntervalCounts, source_metrics
 
 SIGMAS = 5.0  # a realised share may stray this many binomial standard deviations from its weight's share
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from core.config import load_config
 from core.families import hf_config
 from data import pipeline, processing
 from scripts.inspect_data import epoch_totals
@@ -17,7 +18,6 @@ from scripts.measure_data_scale import (
     repeated_records,
     run_measured,
 )
-from training.config import load_config
 
 
 def test_peak_memory_of_a_command_is_sampled(tmp_path):

@@ -1,5 +1,5 @@
-"""data.max_visual_tokens (data/visual_budget.py): images shrink and videos lose frames then resolution to fit a
-sample's budget, the rows and batches follow, and packed == per-sample on the resized images and videos."""
+"""data.max_visual_tokens (data/processing.py's fit_visuals): images shrink and videos lose frames then resolution
+to fit a sample's budget, the rows and batches follow, and packed == per-sample on the resized images and videos."""
 
 import itertools
 import math
@@ -8,13 +8,13 @@ import random
 import pytest
 import torch
 
+from core.config import load_config
 from core.families import hf_config
 from data.pipeline import build_data, load_processor
-from data.visual_budget import Visual, fit_visuals, visual_tokens
+from data.processing import Visual, fit_visuals, visual_tokens
+from modeling.packed import enable_packed_forward
 from tests.test_packed_forward import FAMILIES, assert_within
 from tests.tiers import tiered
-from training.config import load_config
-from training.packed import enable_packed_forward
 from verification.packing_check import RELATIVE_TOLERANCE, compare_packed_to_per_sample, samples_from_batch
 
 FACTOR, TEMPORAL = 28, 2  # Qwen2/2.5-VL: patch 14 x merge 2, two frames per temporal patch
