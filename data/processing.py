@@ -384,7 +384,8 @@ class SampleProcessor:
                 "visual_tokens_over_budget",
                 f"{images} images and {len(visuals) - images} videos of "
                 f"{visual_tokens(visuals, factor, self.temporal_patch_size)} visual tokens cannot fit "
-                f"data.max_visual_tokens {self.max_visual_tokens} even at one token per image and frame group",
+                f"data.max_visual_tokens {self.max_visual_tokens} even at their smallest (one temporal patch per "
+                "video, each image and frame downscaled to its limit)",
             )
         return fitted
 

@@ -171,11 +171,11 @@ def main() -> None:
     where = f"data.sources: {len(cfg.data.sources)}" if cfg.data.sources else f"data.path={cfg.data.path or 'builtin'}"
     print(f"{where} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
     print(f"samples: {stats.summary()}")
-    if cfg.data.sources:
-        print("\n".join(mixture_lines(cfg.data.sources, stats, totals)))
     for reason, examples in stats.skip_examples.items():
         for example in examples:
             print(f"  skipped {reason}: {example}")
+    if cfg.data.sources:
+        print("\n".join(mixture_lines(cfg.data.sources, stats, totals)))
     budget = cfg.packing.max_tokens
     if cfg.packing.mode == "packed":
         print(
