@@ -3,8 +3,10 @@
     python train.py --config recipes/smoke.yaml [dotted.key=value ...] [--resume]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train.py --config recipes/qwen2_5_vl-3b.yaml
 
-`--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (training/resume.py;
-`--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
+`--resume` finishes whatever the run had not: steps, the export, summary.json. It refuses settings that differ from
+the run's config.yaml where that breaks exactness (training/resume.py; `--allow-config-change` uses them anyway),
+passes over a checkpoint whose files no longer match its record to the newest one that does, and refuses one saved
+by another number of processes (training/trusted_resume.py; `--allow-world-size-change` continues it).
 One run holds a run directory at a time (training/run_lock.py). SIGTERM or SIGINT stops the run after the current
 step with a checkpoint and exit status 75 (training/preemption.py); docs/cluster.md shows a requeue script.
 
@@ -37,6 +39,7 @@ from training import (
     run_lock,
     stack_dump,
     tracking,
+    trusted_resume,
 )
 from training.config import load_config
 from training.setup import build_accelerator, build_training
@@ -52,6 +55,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         resume.ALLOW_FLAG,
         action="store_true",
         help="with --resume: use settings that differ from the run's config.yaml even where that breaks exactness",
+    )
+    parser.add_argument(
+        trusted_resume.ALLOW_WORLD_SIZE_FLAG,
+        action="store_true",
+        help="with --resume: continue a checkpoint saved by another number of processes (not bit-exact)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=50")
     return parser.parse_args(argv)
@@ -121,7 +129,9 @@ def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason
 
 def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.SignalWatch) -> dict:
     """The run in a locked run directory: resume → loop → export → summary; returns the summary."""
-    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    # before anything is loaded: the checkpoint matches its record and was saved by as many processes
+    resume_from = trusted_resume.choose(cfg.checkpoint.resume, run_dir, host, accelerator.process_index)
+    trusted_resume.check_processes(resume_from, accelerator.num_processes, args.allow_world_size_change)
     changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)
     setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
@@ -174,7 +184,13 @@ def cli(argv: list[str] | None = None) -> int | str:
         return f"config error: {error}"
     except DataError as error:
         return f"data error: {error}"
-    except (loop.NonFiniteError, distributed.LaunchError, run_lock.RunLockError, checkpoint.WriteError) as error:
+    except (
+        loop.NonFiniteError,
+        distributed.LaunchError,
+        run_lock.RunLockError,
+        checkpoint.WriteError,
+        trusted_resume.CheckpointError,
+    ) as error:
         return f"error: {error}"
     except preemption.Preempted as stop:
         print(f"preempted: {stop}", file=sys.stderr)

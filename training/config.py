@@ -164,6 +164,7 @@ class CheckpointConfig:
     save_final: bool = True  # a resumable checkpoint after the last step (bench-* recipes turn it off: no disk traffic)
     resume: str | None = None  # "latest" (this run's newest checkpoint, if any), a checkpoint dir, or null
     preempt_timeout_s: float = 30.0  # on SIGTERM/SIGINT: seconds to end the step, save and exit 75 (docs/cluster.md)
+    checksums: bool = True  # record each file's xxh3-128 in the COMPLETE marker, checked on resume (sizes always are)
 
     def validate(self) -> None:
         if self.every_steps < 0:
