@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 return train_run(args, cfg, accelerator, host, run_dir, signals)
             except preemption.Preempted as stop:
-                stop.signal_name = signals.signal_name
+                # every rank stops together; on several machines the signal may have reached only some of them
+                stop.signal_name = next((name for name in host.gather(signals.signal_name) if name), None)
                 if accelerator.is_main_process:
                     record_stop(run_dir, stop.signal_name, stop.step, "stopped after a complete step")
                 distributed.finish(accelerator)
