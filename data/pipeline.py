@@ -262,7 +262,8 @@ class StepLoader:
                     raise DataError(batch.message)
                 self.step_in_epoch += 1
                 yield batch
-            if self.epochs is None and yielded == self.step_in_epoch == 0:
+            # (an epoch carried over from another layout may have had all its packs taken there)
+            if self.epochs is None and yielded == self.step_in_epoch == 0 and not self.carried:
                 raise DataError(
                     f"an epoch has no batch for rank {self.rank} of {self.world_size}: {self._no_batch_hint()}"
                 )
