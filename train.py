@@ -130,9 +130,10 @@ def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason
 
 def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.SignalWatch) -> dict:
     """The run in a locked run directory: resume → loop → export → summary; returns the summary."""
-    # before anything is loaded: the checkpoint matches its record and was saved by as many processes
-    resume_from = trusted_resume.choose(cfg.checkpoint.resume, run_dir, host, accelerator.process_index)
-    trusted_resume.check_processes(resume_from, accelerator.num_processes, args.allow_world_size_change)
+    # before anything is loaded: saved by as many processes (or allowed not to be), its files as recorded
+    resume_from = trusted_resume.choose(
+        cfg.checkpoint.resume, run_dir, host, accelerator.process_index, args.allow_world_size_change
+    )
     changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)
     setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)

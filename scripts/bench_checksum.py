@@ -23,6 +23,8 @@ from pathlib import Path
 
 import xxhash
 
+from verification.provenance import provenance
+
 HASHES: dict[str, Callable] = {
     "xxh3_128": xxhash.xxh3_128,
     "xxh64": xxhash.xxh64,
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
     rates = measure(args.gib, args.repeats, Path(args.dir))
     state_gib = args.state_gb * 1e9 / 2**30
     result = {
+        "provenance": provenance(),
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),

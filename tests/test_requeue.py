@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from transformers import AutoModelForImageTextToText
 from tests.test_data_pipeline import SyntheticItems, synthetic_loader
 from tests.test_distributed import COMMON, TINY, launch, run_processes, write_mixed_dataset
 from training import run_files, trusted_resume
+from training.distributed import HostCollectives
 from verification.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,16 +121,20 @@ def write_checkpoint(directory: Path, processes: int, plain_marker: bool = False
 @pytest.mark.parametrize("plain_marker", [False, True])
 def test_another_process_count_is_refused_naming_both_counts_and_the_flag(tmp_path, caplog, plain_marker):
     """Without the flag: a one-line CheckpointError with the saved and the launched count and the flag, for a marker
-    that records the count and for an older plain one (counted from its state files); with it: a warning."""
-    saved = write_checkpoint(tmp_path / "step_00000002", 2, plain_marker)
+    that records the count and for an older plain one (counted from its state files), also from `latest`; with the
+    flag the checkpoint is chosen, with a warning."""
+    saved = write_checkpoint(tmp_path / "checkpoints" / "step_00000002", 2, plain_marker)
     trusted_resume.check_processes(saved, 2, allow_change=False)
     with pytest.raises(trusted_resume.CheckpointError) as refused:
         trusted_resume.check_processes(saved, 1, allow_change=False)
     message = str(refused.value)
     assert "\n" not in message
     assert "saved by 2 processes and this launch has 1" in message and "--allow-world-size-change" in message
+    one_process = HostCollectives(SimpleNamespace(num_processes=1))
+    with pytest.raises(trusted_resume.CheckpointError, match="saved by 2 processes and this launch has 1"):
+        trusted_resume.choose("latest", tmp_path, one_process, rank=0)
     with caplog.at_level("WARNING"):
-        trusted_resume.check_processes(saved, 1, allow_change=True)
+        assert trusted_resume.choose("latest", tmp_path, one_process, rank=0, allow_world_size_change=True) == saved
     assert "saved by 2 processes, on 1 (--allow-world-size-change)" in caplog.text
 
 

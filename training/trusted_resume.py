@@ -1,6 +1,6 @@
-"""The checkpoint a resume trusts, decided before anything is loaded: one whose files match what its COMPLETE marker
-recorded (training/checkpoint_manifest.py), saved by as many processes as this launch has, unless
---allow-world-size-change.
+"""The checkpoint a resume trusts, decided before anything is loaded: one saved by as many processes as this launch
+has, unless --allow-world-size-change (checked first: it costs nothing), whose files match what its COMPLETE marker
+recorded (training/checkpoint_manifest.py).
 
 - `checkpoint.resume=latest`: the newest checkpoint that verifies. Newer ones that do not are renamed
   `<name>.damaged` (kept for a look; never resumed from, pruned or saved over) with a warning naming each and what
@@ -50,30 +50,35 @@ def _sizes(manifest: checkpoint_manifest.Manifest) -> dict[str, int]:
     return {path: entry["bytes"] for path, entry in manifest.files.items()}
 
 
-def choose(resume: str | None, run_dir: Path, host: HostCollectives, rank: int) -> Path | None:
+def choose(
+    resume: str | None, run_dir: Path, host: HostCollectives, rank: int, allow_world_size_change: bool = False
+) -> Path | None:
     """The checkpoint to resume from for `checkpoint.resume` (None: unset, or `latest` before the first save);
-    CheckpointError when none can be trusted. A collective (see `damage`)."""
+    CheckpointError when none can be trusted, or when the one to check was saved by another number of processes
+    than `host.size` and not `allow_world_size_change`. A collective (see `damage`)."""
     if resume is None:
         return None
     if resume != "latest":
         path = Path(resume)
         if not (path / COMPLETE).is_file():
             raise CheckpointError(f"checkpoint.resume={resume}: not a complete checkpoint directory (no {COMPLETE}).")
+        check_processes(path, host.size, allow_world_size_change)
         problem = damage(path, host, rank)
         if problem:
             raise CheckpointError(
                 f"checkpoint.resume={resume} does not match what its {COMPLETE} marker recorded ({problem}): copy it "
                 "again from its source, or resume from another checkpoint."
             )
-        return path
+        return _chosen(path, host.size)
     damaged: dict[Path, str] = {}
     for candidate in reversed(checkpoint_dirs(run_dir)):
+        check_processes(candidate, host.size, allow_world_size_change)
         problem = damage(candidate, host, rank)
         if problem is None:
             if rank == 0:
                 for directory, what in damaged.items():
                     set_aside(directory, what, candidate)
-            return candidate
+            return _chosen(candidate, host.size)
         damaged[candidate] = problem
     if not damaged:
         return None
@@ -111,20 +116,23 @@ def saved_processes(directory: Path) -> int:
     return recorded if recorded is not None else len(list(directory.glob("trainer_state_rank*.pt")))
 
 
-def check_processes(directory: Path | None, num_processes: int, allow_change: bool) -> None:
+def check_processes(directory: Path, num_processes: int, allow_change: bool) -> None:
     """Refuse (CheckpointError, one line) a resume from `directory` on another number of processes than saved it,
-    unless `allow_change` (the --allow-world-size-change flag), which logs a warning and lets the run go on."""
-    if directory is None:
-        return
+    unless `allow_change` (the --allow-world-size-change flag)."""
     saved = saved_processes(directory)
-    if saved == num_processes:
-        return
-    if not allow_change:
+    if saved != num_processes and not allow_change:
         raise CheckpointError(
             f"{directory} was saved by {saved} processes and this launch has {num_processes}: launch {saved} "
             f"processes to continue exactly, or add {ALLOW_WORLD_SIZE_FLAG} to continue on {num_processes} (model "
             "and optimizer as saved, the data from where it stopped, not bit-exact: docs/cluster.md)."
         )
+
+
+def _chosen(directory: Path, num_processes: int) -> Path:
+    """`directory`, the checkpoint chosen, after a warning when another number of processes saved it."""
+    saved = saved_processes(directory)
+    if saved == num_processes:
+        return directory
     log.warning(
         "resuming %s, saved by %d processes, on %d (%s): model, optimizer and schedule as saved; the rest of the "
         "epoch's packs are dealt to %d ranks, so the steps from here differ from an uninterrupted run's",
@@ -134,3 +142,4 @@ def check_processes(directory: Path | None, num_processes: int, allow_change: bo
         ALLOW_WORLD_SIZE_FLAG,
         num_processes,
     )
+    return directory
