@@ -41,16 +41,28 @@ def caches(root: Path, layout: str) -> list[Path]:
     return [root / "cache"] * MACHINES if layout == "shared" else [root / f"cache-node{r}" for r in range(MACHINES)]
 
 
-def launch_machines(script: Path, run: Path, cache_dirs: list[Path], *flags: str) -> tuple[list[int | None], str]:
+def launcher_command(launcher: str, machine_rank: int, port: int) -> list[str]:
+    """Machine `machine_rank`'s launcher of one process, meeting the others at 127.0.0.1:`port`: `accelerate launch`
+    with recipes/accelerate/ddp-multinode.yaml, or `torchrun` (docs/cluster.md gives both)."""
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={MACHINES}", "--nproc_per_node=1"]
+        command += [f"--node_rank={machine_rank}", "--rdzv_backend=static", "--master_addr=127.0.0.1"]
+        return [*command, f"--master_port={port}"]
+    command = [sys.executable, "-m", "accelerate.commands.launch"]
+    command += ["--config_file", "recipes/accelerate/ddp-multinode.yaml", f"--num_machines={MACHINES}"]
+    command += [f"--num_processes={MACHINES}", f"--machine_rank={machine_rank}"]
+    return [*command, "--main_process_ip=127.0.0.1", f"--main_process_port={port}"]
+
+
+def launch_machines(
+    script: Path, run: Path, cache_dirs: list[Path], *flags: str, launcher: str = "accelerate"
+) -> tuple[list[int | None], str]:
     """`script` launched as a two-machine job: one launcher per machine rank, concurrently, with that machine's
     cache; (each launcher's exit status, their logs one after the other)."""
     port = free_port()
     commands = []
     for machine_rank, cache in enumerate(cache_dirs):
-        command = [sys.executable, "-m", "accelerate.commands.launch"]
-        command += ["--config_file", "recipes/accelerate/ddp-multinode.yaml", f"--num_machines={MACHINES}"]
-        command += [f"--num_processes={MACHINES}", f"--machine_rank={machine_rank}"]
-        command += ["--main_process_ip=127.0.0.1", f"--main_process_port={port}", str(script), "--config", TINY]
+        command = [*launcher_command(launcher, machine_rank, port), str(script), "--config", TINY]
         commands.append([*command, *run_args(run, cache, INLINE), *flags])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     attempt = len(list(run.parent.glob(f"{run.name}-*-node0.log")))
@@ -60,14 +72,16 @@ def launch_machines(script: Path, run: Path, cache_dirs: list[Path], *flags: str
     return [outcome.code for outcome in outcomes], output
 
 
-@pytest.mark.parametrize("cache", ["shared", "node-local"])
-def test_two_machines_train_exactly_as_one_machine_of_the_same_world_size(one_machine, tmp_path, cache):
-    """Two machine ranks of one process each train the run of one machine with two processes: every step's loss,
-    gradient norm and learning rate, and the exported weights, bit for bit. Only global rank 0 holds the shared run
-    directory's lock (a second holder would refuse the run), and it is released at the end; each node-local cache
-    was built on its machine."""
+@pytest.mark.parametrize(
+    ("launcher", "cache"), [("accelerate", "shared"), ("accelerate", "node-local"), ("torchrun", "node-local")]
+)
+def test_two_machines_train_exactly_as_one_machine_of_the_same_world_size(one_machine, tmp_path, launcher, cache):
+    """Two machine ranks of one process each (`accelerate launch` or `torchrun`) train the run of one machine with
+    two processes: every step's loss, gradient norm and learning rate, and the exported weights, bit for bit. Only
+    global rank 0 holds the shared run directory's lock (a second holder would refuse the run), and it is released
+    at the end; each node-local cache was built on its machine."""
     cache_dirs = caches(tmp_path, cache)
-    codes, output = launch_machines(ROOT / "train.py", tmp_path / "run", cache_dirs)
+    codes, output = launch_machines(ROOT / "train.py", tmp_path / "run", cache_dirs, launcher=launcher)
     assert codes == [0, 0], output[-6000:]
     assert_same_run(tmp_path / "run", one_machine)
     assert run_files.read_summary(tmp_path / "run")["num_processes"] == MACHINES
