@@ -6,7 +6,8 @@
 Per hash (xxh3-128, the one checkpoints record, against xxh64, sha256, blake2b): GiB/s of one core over a buffer in
 memory, over a file in the page cache (a checkpoint just written), and over the same file after the page cache
 dropped it (POSIX_FADV_DONTNEED: a resume reading from disk), each the best of `--repeats`; then the seconds one
-core needs for `--state-gb` GB of checkpoint at each rate.
+core needs for `--state-gb` GB of checkpoint at each rate. The host's load average is recorded beside them: on a
+shared host, other processes' work lowers every rate.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the file is written (its disk counts)")
     parser.add_argument("--out", help="write the result as JSON here")
     args = parser.parse_args(argv)
+    load_before = os.getloadavg()[0]  # other work on the host slows every rate: recorded with them
     rates = measure(args.gib, args.repeats, Path(args.dir))
     state_gib = args.state_gb * 1e9 / 2**30
     result = {
@@ -90,6 +92,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
         "cores": os.cpu_count(),
+        "load_average_1m": {"before": load_before, "after": os.getloadavg()[0]},
         "gib": args.gib,
         "directory": args.dir,
         "gib_per_s_one_core": rates,
