@@ -7,10 +7,9 @@ and its xxh3-128 checksum (`checkpoint.checksums`, on by default):
 
 A copy cut short between filesystems, a bad disk or a file replaced after the save no longer matches it. The
 ranks share the work, writing and checking alike: the files are dealt to them by size and each hashes its share.
-xxh3-128 reads 11.5 GiB/s from the page cache and 2.3 GiB/s from this host's disk on one core, against sha256's
-1.4 GiB/s (docs/cluster.md): a 7B model's ~100 GB of state costs about 9 s of one core to hash after the save
-(the files are still cached), split over the ranks, and a resume reads the files from disk once more. It detects
-damage, not tampering: for that use a cryptographic hash outside the trainer.
+xxh3-128 hashes several times faster than sha256 and keeps up with reading a checkpoint from disk (docs/cluster.md
+has the measurements and what they mean for a 7B model's ~100 GB of state). It detects damage, not tampering: for
+that use a cryptographic hash outside the trainer.
 
 A marker of plain text (the step only: checkpoints saved before the marker recorded files) vouches for nothing
 checkable; such a checkpoint is trusted as written.
