@@ -1,5 +1,5 @@
 """How fast a checkpoint's files can be checksummed on this host: the figures behind `checkpoint.checksums`
-(training/checkpoint_manifest.py) and docs/cluster.md.
+(lifecycle/checkpoint_manifest.py) and docs/cluster.md.
 
     python -m scripts.bench_checksum --gib 1 --state-gb 100 --out docs/results/checksum-throughput-<host>-<date>.json
 
@@ -32,7 +32,7 @@ HASHES: dict[str, Callable] = {
     "sha256": hashlib.sha256,
     "blake2b": hashlib.blake2b,
 }
-CHUNK = 8 << 20  # bytes per update / read, as training/checkpoint_manifest.py reads
+CHUNK = 8 << 20  # bytes per update / read, as lifecycle/checkpoint_manifest.py reads
 
 
 def memory_rate(make: Callable, data: bytes) -> float:

@@ -1,4 +1,4 @@
-"""Checkpoints verified before a resume trusts them (training/checkpoint_manifest.py, training/trusted_resume.py):
+"""Checkpoints verified before a resume trusts them (lifecycle/checkpoint_manifest.py, lifecycle/trusted_resume.py):
 the COMPLETE marker records every file's size and checksum; `--resume` passes over a checkpoint that no longer
 matches to the newest one that does, with a warning naming it, and refuses in one line when none does.
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle import checkpoint, checkpoint_manifest
 from tests.test_cluster import INLINE, assert_same_run, run_cli
 from tests.test_train import TINY, run_args
-from training import checkpoint, checkpoint_manifest
 
 ROOT = Path(__file__).resolve().parents[1]
 

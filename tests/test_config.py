@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import train
+from core.config import load_config, save_config
 from core.config_tree import ConfigError
-from training.config import load_config, save_config
 
 SMOKE = "recipes/smoke.yaml"
 

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from lifecycle import checkpoint, run_files
 from tests.test_cluster import INLINE, LAUNCHED, assert_same_run, during_step, launch_two
 from tests.test_train import TINY, run_args
-from training import checkpoint, run_files
 from verification.launch import free_port, run_logged_together
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-all`

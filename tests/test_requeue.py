@@ -1,4 +1,4 @@
-"""A run requeued on another number of processes (training/trusted_resume.py, data/pipeline.py's StepLoader): refused
+"""A run requeued on another number of processes (lifecycle/trusted_resume.py, data/pipeline.py's StepLoader): refused
 in one line on every rank without --allow-world-size-change; with it, the model and optimizer continue as saved and
 the epoch goes on with the packs the saved run had not taken, none repeated and none left out."""
 
@@ -17,10 +17,10 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText
 
+from core.distributed import HostCollectives
+from lifecycle import run_files, trusted_resume
 from tests.test_data_pipeline import SyntheticItems, synthetic_loader
 from tests.test_distributed import COMMON, TINY, launch, run_processes, write_mixed_dataset
-from training import run_files, trusted_resume
-from training.distributed import HostCollectives
 from verification.launch import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

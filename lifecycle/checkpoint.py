@@ -4,8 +4,8 @@ A checkpoint `<run dir>/checkpoints/step_00000100/` holds accelerate's `save_sta
 RNG of every rank) plus one `trainer_state_rank<r>.pt` per rank (optimizer step, that rank's data-loader position).
 A `COMPLETE` marker is written last, after every file is synced to disk (and removed first when pruning), so a run
 killed mid-save or mid-prune, or a node lost just after, never resumes from a torn checkpoint; a torn one is removed
-at the next save. The marker records every file's size and checksum (training/checkpoint_manifest.py), which a
-resume checks before it trusts the checkpoint (training/trusted_resume.py). The export `<run dir>/final/` is
+at the next save. The marker records every file's size and checksum (lifecycle/checkpoint_manifest.py), which a
+resume checks before it trusts the checkpoint (lifecycle/trusted_resume.py). The export `<run dir>/final/` is
 `save_pretrained` + the processor: `AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained`
 load it for inference. It is written to `final.partial/` and renamed, so `final/` exists only once complete and
 `--resume` redoes a killed one.
@@ -14,7 +14,7 @@ A write that fails (a full disk or quota, an I/O error: torch.save and safetenso
 SafetensorError, not OSError) removes what it wrote, leaves every complete checkpoint as it was, and raises
 WriteError on every rank: one line naming the path, the error, the bytes needed and the bytes free there.
 
-With LoRA a checkpoint's model state is the adapters and fully trained parts only (training/lora.py), and the export
+With LoRA a checkpoint's model state is the adapters and fully trained parts only (modeling/lora.py), and the export
 adds `final/adapter/` in peft's format; `final/` holds the merged model unless `lora.merge_on_export` is false.
 """
 
@@ -32,9 +32,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from training import checkpoint_manifest, lora
-from training.config import CheckpointConfig, LoraConfig
-from training.distributed import HostCollectives
+from core.config import CheckpointConfig, LoraConfig
+from core.distributed import HostCollectives
+from lifecycle import checkpoint_manifest
+from modeling import lora
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -219,7 +220,7 @@ class Checkpointer:
         """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's trainer state:
         "data", the loader position, and "timing", the throughput totals, where the checkpoint holds them).
 
-        A checkpoint of another number of processes (accepted by training/trusted_resume.py) gives a rank without
+        A checkpoint of another number of processes (accepted by lifecycle/trusted_resume.py) gives a rank without
         a state file of its own rank 0's: the data position is the same on every rank, and the timing totals are
         only a rate's inputs. A rank without its RNG file keeps its seeded generators (accelerate logs it)."""
         self.accelerator.load_state(str(directory))

@@ -1,6 +1,6 @@
 """The checkpoint a resume trusts, decided before anything is loaded: one saved by as many processes as this launch
 has, unless --allow-world-size-change (checked first: it costs nothing), whose files match what its COMPLETE marker
-recorded (training/checkpoint_manifest.py).
+recorded (lifecycle/checkpoint_manifest.py).
 
 - `checkpoint.resume=latest`: the newest checkpoint that verifies. Newer ones that do not are renamed
   `<name>.damaged` (kept for a look; never resumed from, pruned or saved over) with a warning naming each and what
@@ -17,9 +17,9 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from training import checkpoint_manifest
-from training.checkpoint import COMPLETE, checkpoint_dirs
-from training.distributed import HostCollectives
+from core.distributed import HostCollectives
+from lifecycle import checkpoint_manifest
+from lifecycle.checkpoint import COMPLETE, checkpoint_dirs
 
 log = logging.getLogger(__name__)
 ALLOW_WORLD_SIZE_FLAG = "--allow-world-size-change"
