@@ -114,6 +114,7 @@ def test_checksums_off_records_sizes_only_and_still_catches_a_truncation(tmp_pat
     assert checkpoint_manifest.damage(tmp_path, manifest, ["a.bin"]) == ["a.bin has 99 bytes, 100 recorded"]
 
 
+@pytest.mark.slow
 def test_a_plain_marker_is_trusted_as_written(finished, data_cache, tmp_path):
     """A checkpoint whose marker is the step alone (saved before markers recorded files) resumes as before."""
     run = copy_run(finished, tmp_path / "run")
