@@ -34,6 +34,7 @@ class Manifest:
     step: int
     num_processes: int | None  # None: a plain-text marker, which did not record it
     files: dict[str, dict] | None  # None: a plain-text marker, which vouches for no file
+    readable: bool = True  # False: the marker itself is damaged (cut short, overwritten), so it vouches for nothing
 
 
 def file_checksum(path: Path) -> str:
@@ -82,16 +83,20 @@ def render(step: int, num_processes: int, files: dict[str, dict]) -> str:
 
 
 def read(marker: Path) -> Manifest:
-    """The marker's record; a plain-text marker (just the step) gives a Manifest without files."""
-    text = marker.read_text()
+    """The marker's record; a plain-text marker (just the step) gives a Manifest without files, and anything else
+    (a record cut short, other bytes) an unreadable one."""
+    text = marker.read_text(errors="replace")
+    if text.strip().isdigit():
+        return Manifest(int(text), None, None)
     try:
         record = json.loads(text)
-    except json.JSONDecodeError:
-        record = None
-    if not isinstance(record, dict):
-        step = text.strip()
-        return Manifest(int(step) if step.isdigit() else -1, None, None)
-    return Manifest(int(record.get("step", -1)), record.get("num_processes"), record.get("files"))
+        files = record["files"]
+        sizes_recorded = all(isinstance(entry.get("bytes"), int) for entry in files.values())
+        if sizes_recorded:
+            return Manifest(int(record["step"]), int(record["num_processes"]), files)
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, ValueError):
+        pass
+    return Manifest(-1, None, None, readable=False)
 
 
 def damage(directory: Path, manifest: Manifest, paths: list[str]) -> list[str]:

@@ -35,14 +35,16 @@ def damage(directory: Path, host: HostCollectives, rank: int) -> str | None:
     collective: every rank checks its share and returns the same answer."""
     manifest = checkpoint_manifest.read(directory / COMPLETE)
     problems: list[str] = []
-    if manifest.files is not None:
+    if not manifest.readable:
+        problems = [f"its {COMPLETE} marker is unreadable"]
+    elif manifest.files is not None:
         try:
             problems = checkpoint_manifest.damage(
                 directory, manifest, checkpoint_manifest.share(_sizes(manifest), rank, host.size)
             )
         except OSError as error:
             problems = [f"reading it failed: {error.strerror or error}"]
-    found = sorted(problem for part in host.gather(problems) for problem in part)
+    found = sorted({problem for part in host.gather(problems) for problem in part})
     return "; ".join(found) or None
 
 

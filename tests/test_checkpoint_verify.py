@@ -84,14 +84,19 @@ def test_the_ranks_share_the_files_by_size():
         pytest.param("truncated", r"optimizer\.bin has \d+ bytes, \d+ recorded", marks=pytest.mark.slow),
         ("flipped byte", r"optimizer\.bin has another xxh3_128 checksum than recorded"),
         pytest.param("missing", r"optimizer\.bin is missing", marks=pytest.mark.slow),
+        pytest.param("marker cut short", r"its COMPLETE marker is unreadable", marks=pytest.mark.slow),
     ],
 )
 def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(finished, data_cache, tmp_path, caplog, how, detail):
     """The step-4 checkpoint's optimizer state truncated, changed in one byte (same size) or deleted after it was
-    complete: --resume warns naming it and what is wrong, renames it step_00000004.damaged, resumes from step 2 and
-    ends equal to the uninterrupted run, bit for bit."""
+    complete, or its marker cut short: --resume warns naming it and what is wrong, renames it step_00000004.damaged,
+    resumes from step 2 and ends equal to the uninterrupted run, bit for bit."""
     run = copy_run(finished, tmp_path / "run")
-    damage(run / "checkpoints" / "step_00000004" / "optimizer.bin", how)
+    saved = run / "checkpoints" / "step_00000004"
+    if how == "marker cut short":
+        damage(saved / checkpoint.COMPLETE, "truncated")
+    else:
+        damage(saved / "optimizer.bin", how)
     with caplog.at_level("WARNING"):
         assert run_cli(run, data_cache, INLINE, resume=True) == 0
     warning = next(r.getMessage() for r in caplog.records if "does not match what its COMPLETE" in r.getMessage())
@@ -99,6 +104,18 @@ def test_a_damaged_newest_checkpoint_falls_back_to_the_older_one(finished, data_
     assert re.search(detail, warning), warning
     assert (run / "checkpoints" / "step_00000004.damaged").is_dir()
     assert_same_run(run, finished)
+
+
+@pytest.mark.parametrize(
+    ("text", "readable", "step"),
+    [("2\n", True, 2), ('{"step": 2, "num_processes": 1, "files": {"a": {"by', False, -1), ("", False, -1)],
+)
+def test_a_marker_reads_as_a_record_a_plain_step_or_unreadable(tmp_path, text, readable, step):
+    """A plain step is an older marker that vouches for no file; a record cut short or an empty marker is
+    unreadable (the checkpoint counts as damaged), never a record of nothing."""
+    (tmp_path / "COMPLETE").write_text(text)
+    manifest = checkpoint_manifest.read(tmp_path / "COMPLETE")
+    assert (manifest.readable, manifest.step, manifest.files) == (readable, step, None)
 
 
 def test_checksums_off_records_sizes_only_and_still_catches_a_truncation(tmp_path):
