@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from lifecycle import checkpoint, checkpoint_manifest
-from tests.test_cluster import INLINE, assert_same_run, run_cli
+from tests.test_cluster import INLINE, assert_same_run, launch_two, run_cli
 from tests.test_train import TINY, run_args
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,3 +169,25 @@ def test_an_explicit_damaged_checkpoint_is_refused_in_one_line(finished, data_ca
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith(f"error: checkpoint.resume={target} does not match what its COMPLETE marker recorded")
     assert "model.safetensors has" in message
+
+
+@pytest.mark.slow
+def test_two_processes_share_the_check_and_decide_alike(data_cache, tmp_path):
+    """Under two processes (each checks its share of the files): a damaged newest checkpoint is passed over once
+    (one warning, one rename) and the resumed run ends equal to the uninterrupted two-process run, bit for bit; with
+    every checkpoint damaged both ranks stop with the same one line."""
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    code, output = launch_two(ROOT / "train.py", reference, data_cache)
+    assert code == 0, output[-3000:]
+    shutil.copytree(reference, run)
+    damage(run / "checkpoints" / "step_00000004" / "model.safetensors", "truncated")
+    code, output = launch_two(ROOT / "train.py", run, data_cache, "--resume")
+    assert code == 0, output[-3000:]
+    assert output.count("does not match what its COMPLETE marker recorded") == 1, output[-3000:]
+    assert (run / "checkpoints" / "step_00000004.damaged").is_dir()
+    assert_same_run(run, reference)
+    for saved in checkpoint.checkpoint_dirs(run):
+        damage(saved / "optimizer.bin", "flipped byte")
+    code, output = launch_two(ROOT / "train.py", run, data_cache, "--resume")
+    refusals = [line for line in output.splitlines() if line.startswith("error: no checkpoint of ")]
+    assert code != 0 and len(refusals) == 2 and len(set(refusals)) == 1, output[-3000:]
