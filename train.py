@@ -29,6 +29,7 @@ from training import (
     defaults,
     distributed,
     loop,
+    memory_check,
     metrics,
     optim,
     preemption,
@@ -88,6 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
         level = logging.INFO if accelerator.is_main_process else logging.WARNING
         logging.basicConfig(level=level, format="%(message)s")
         cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
+        memory_check.check(cfg, accelerator)  # before anything is built: a run that cannot fit stops here
         host = distributed.HostCollectives(accelerator)
         run_dir = prepare_run_dir(cfg)
         with run_lock.hold(run_dir, accelerator.is_main_process, host) as lock:
@@ -176,6 +178,8 @@ def cli(argv: list[str] | None = None) -> int | str:
         return f"data error: {error}"
     except (loop.NonFiniteError, distributed.LaunchError, run_lock.RunLockError, checkpoint.WriteError) as error:
         return f"error: {error}"
+    except memory_check.MemoryFitError as error:
+        return f"error: {error}" if str(error) else 1
     except preemption.Preempted as stop:
         print(f"preempted: {stop}", file=sys.stderr)
         return preemption.EXIT_STATUS

@@ -127,6 +127,9 @@ class TrainConfig:
     # regional torch.compile of every decoder layer and ViT block (training/compile.py; the first step compiles);
     # "auto" = on with CUDA, off on the CPU (training/defaults.py)
     compile: bool | Literal["auto"] = "auto"
+    # before the model is built, compare the memory estimate (training/memory_estimate.py) with the device's: true =
+    # stop in one line, with the overrides that fit, when it cannot fit; "warn" = log that line and go on; false = skip
+    memory_check: bool | Literal["warn"] = True
 
     def validate(self) -> None:
         if self.lr <= 0:
