@@ -58,8 +58,13 @@ def targets(args) -> list[Target]:
     """What the estimate is held against (module docstring)."""
     if args.cpu:
         return [local_target(False, local_processes=args.gpus)]
-    if args.gpu_memory_gib is not None:
-        return [Target(args.gpu_memory_gib, "the GPU memory given (--gpu-memory-gib)", True)]
+    return gpu_targets(args.gpu_memory_gib)
+
+
+def gpu_targets(gpu_memory_gib: float | None = None) -> list[Target]:
+    """`gpu_memory_gib`, else the GPU this machine sees, else REFERENCE_GPUS."""
+    if gpu_memory_gib is not None:
+        return [Target(gpu_memory_gib, "the GPU memory given (--gpu-memory-gib)", True)]
     import torch
 
     if torch.cuda.is_available():
@@ -67,23 +72,32 @@ def targets(args) -> list[Target]:
     return list(REFERENCE_GPUS)
 
 
+def report(cfg, gpus: int, sharding: str, on_cuda: bool, held_against: list[Target]) -> tuple[list[str], bool]:
+    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do; and
+    whether it fits every target."""
+    model = meta_model(cfg.model)
+    estimate = estimate_memory(cfg, gpus, sharding, on_cuda, model=model)
+    lines, fits_all = estimate.lines(), True
+    for target in held_against:
+        room = target.capacity_gib - estimate.total_gib
+        verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
+        lines.append(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
+        if room < 0:
+            fits_all = False
+            lines += [
+                f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB"
+                for fix in suggestions(cfg, gpus, sharding, target, model)
+            ]
+    return lines, fits_all
+
+
 def estimate_recipe(args) -> int:
     cfg = load_config(args.config, args.overrides)
     sharding = "none" if args.gpus == 1 else args.sharding
-    model = meta_model(cfg.model)
-    estimate = estimate_memory(cfg, args.gpus, sharding, not args.cpu, model=model)
+    lines, fits = report(cfg, args.gpus, sharding, not args.cpu, targets(args))
     print(f"{args.config} {' '.join(args.overrides)}".rstrip())
-    print("\n".join(estimate.lines()))
-    fits_all = True
-    for target in targets(args):
-        room = target.capacity_gib - estimate.total_gib
-        verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
-        print(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
-        if room < 0:
-            fits_all = False
-            for fix in suggestions(cfg, args.gpus, sharding, target, model):
-                print(f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB")
-    return 0 if fits_all else 1
+    print("\n".join(lines))
+    return 0 if fits else 1
 
 
 def launch_processes(launch: str) -> tuple[int, str]:

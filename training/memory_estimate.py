@@ -129,13 +129,17 @@ class MemoryEstimate:
         header = (
             f"memory estimate per {'GPU' if self.on_cuda else 'process'} ({launch}; master weights: "
             f"{self.master_weights}; {'compiled' if self.compiled else 'eager'} blocks; {self.tokens_per_pack} tokens "
-            f"and {self.vision_patches_per_pack} ViT patches per pack; {self.trainable_params / 1e9:.2f}B of "
-            f"{self.total_params / 1e9:.2f}B parameters trained)"
+            f"and {self.vision_patches_per_pack} ViT patches per pack; {_count(self.trainable_params)} of "
+            f"{_count(self.total_params)} parameters trained)"
         )
         rows = [f"  {name:<20} {gib:8.2f} GiB" for name, gib in self.parts.items()]
         rows.append(f"  {'peak (allocated)':<20} {self.peak_gib:8.2f} GiB")
         rows.append(f"  {'total (with margins)':<20} {self.total_gib:8.2f} GiB")
         return [header, *rows]
+
+
+def _count(params: int) -> str:
+    return f"{params / 1e9:.2f}B" if params >= 10**8 else f"{params / 1e6:.2f}M"
 
 
 @dataclass(frozen=True)
