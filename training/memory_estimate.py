@@ -216,7 +216,8 @@ def _adapters(targets: list[nn.Linear], rank: int) -> list[_Param]:
 
 
 def _state_bytes(params: list[_Param], mode: str, dtype_bytes: int, shards: int) -> dict[str, float]:
-    """weights, masters, gradients and optimizer (bytes per rank) for `mode` (module docstring)."""
+    """weights, masters, gradients and optimizer (bytes per rank) for `mode` (module docstring): "fsdp2" holds fp32
+    shards with no autocast copy (its bf16 gathers are `_fsdp_buffers`)."""
     weights = masters = grads = moments = 0.0
     half = dtype_bytes < 4
     for p in params:
@@ -280,7 +281,8 @@ def block_activation_bytes(
     """Bytes autograd keeps per token for one pass of `block` (a decoder layer or ViT block of residual width
     `width`) with its matmuls in a 16-bit dtype:
 
-    - 2 x in_features for each distinct matmul input (layers of one parent with one input width share it)
+    - 2 x in_features for each distinct matmul input (layers of one parent with one input width share it, but for
+      a RESIDUAL_PROJECTIONS layer, whose input is its own)
     - 2 x out_features for each matmul output the next op keeps (all but RESIDUAL_PROJECTIONS), once more for
       ATTENTION_INPUTS (the rotated q/k/v the attention kernel keeps)
     - eager only: 2 x out_features once more for a gated MLP's gate (the activation's output, kept by the product;
@@ -293,14 +295,15 @@ def block_activation_bytes(
     - with LoRA adapters (`adapted`): 2 x in_features once more per input, the adapter's own bf16 cast of it.
     """
     total = 0
-    inputs: set[tuple[str, int]] = set()
+    inputs: set[tuple[str, int, bool]] = set()
     for parent, leaf, layer in _linears(block):
-        inputs.add((parent, layer.in_features))
-        if leaf not in RESIDUAL_PROJECTIONS:
+        residual = leaf in RESIDUAL_PROJECTIONS  # its input is the output of what precedes it, its own tensor
+        inputs.add((parent, layer.in_features, residual))
+        if not residual:
             total += 2 * layer.out_features
         if leaf in ATTENTION_INPUTS or (leaf == "gate_proj" and not compiled):
             total += 2 * layer.out_features
-    total += sum((4 if adapted else 2) * in_features for _, in_features in inputs)
+    total += sum((4 if adapted else 2) * in_features for _, in_features, _ in inputs)
     for name, module in block.named_modules():
         if _is_norm(module):
             fused = compiled or isinstance(module, nn.LayerNorm)  # aten's layer norm keeps its fp32 input only
@@ -408,7 +411,7 @@ def estimate_memory(
     targets = _lora_targets(model, cfg)
     base = _params(model, cfg)
     params = base + _adapters(targets, cfg.lora.rank if cfg.lora else 0)
-    states = _state_bytes(params, "module" if mode == "fsdp2" else mode, dtype_bytes, shards)
+    states = _state_bytes(params, mode, dtype_bytes, shards)
 
     layers, blocks = _blocks(model)
     text, vision = model.config.text_config, model.config.vision_config
