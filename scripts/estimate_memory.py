@@ -29,11 +29,10 @@ from core.config_tree import ConfigError
 from scripts.compare_throughput import VARIANT_OVERRIDES
 from training import run_files
 from training.config import load_config
-from training.memory_check import Target, local_target, suggestions
-from training.memory_estimate import estimate_memory, meta_model
+from training.memory_check import Target, fit_report, gpu_targets, local_target
+from training.memory_estimate import estimate_memory
 
 TOLERANCE = 0.15  # the issue's target: an estimate within 15% of the measured peak
-REFERENCE_GPUS = (Target(79.2, "an 80 GB H100", True), Target(139.8, "a 141 GB H200", True))  # total_memory, GiB
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -61,40 +60,10 @@ def targets(args) -> list[Target]:
     return gpu_targets(args.gpu_memory_gib)
 
 
-def gpu_targets(gpu_memory_gib: float | None = None) -> list[Target]:
-    """`gpu_memory_gib`, else the GPU this machine sees, else REFERENCE_GPUS."""
-    if gpu_memory_gib is not None:
-        return [Target(gpu_memory_gib, "the GPU memory given (--gpu-memory-gib)", True)]
-    import torch
-
-    if torch.cuda.is_available():
-        return [local_target(True, 0)]
-    return list(REFERENCE_GPUS)
-
-
-def report(cfg, gpus: int, sharding: str, on_cuda: bool, held_against: list[Target]) -> tuple[list[str], bool]:
-    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do; and
-    whether it fits every target."""
-    model = meta_model(cfg.model)
-    estimate = estimate_memory(cfg, gpus, sharding, on_cuda, model=model)
-    lines, fits_all = estimate.lines(), True
-    for target in held_against:
-        room = target.capacity_gib - estimate.total_gib
-        verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
-        lines.append(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
-        if room < 0:
-            fits_all = False
-            lines += [
-                f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB"
-                for fix in suggestions(cfg, gpus, sharding, target, model)
-            ]
-    return lines, fits_all
-
-
 def estimate_recipe(args) -> int:
     cfg = load_config(args.config, args.overrides)
     sharding = "none" if args.gpus == 1 else args.sharding
-    lines, fits = report(cfg, args.gpus, sharding, not args.cpu, targets(args))
+    lines, fits = fit_report(cfg, args.gpus, sharding, not args.cpu, targets(args))
     print(f"{args.config} {' '.join(args.overrides)}".rstrip())
     print("\n".join(lines))
     return 0 if fits else 1

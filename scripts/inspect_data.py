@@ -25,8 +25,8 @@ from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import ProcessedRows, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from scripts import estimate_memory
 from training.config import load_config
+from training.memory_check import fit_report, gpu_targets
 
 
 def describe_sample(
@@ -162,7 +162,7 @@ def main() -> None:
     )
 
     print()
-    print("\n".join(estimate_memory.report(cfg, 1, "none", True, estimate_memory.gpu_targets())[0]))
+    print("\n".join(fit_report(cfg, 1, "none", True, gpu_targets())[0]))
     patches_per_pack = (totals["image_patches"] + totals["video_patches"]) / max(1, packs)
     print(f"  (this data: {patches_per_pack:.0f} ViT patches per pack on average)")
 

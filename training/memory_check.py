@@ -3,7 +3,8 @@ against each GPU's memory, or on a CPU-only host the RAM available), and the ove
 
 train.py calls `check(cfg, accelerator)` once `auto` settings are resolved: with `train.memory_check: true` (the
 default) a run that cannot fit stops with one line (a `MemoryFitError`) naming the estimate, the device and the
-overrides that fit; `warn` logs that line and goes on; `false` skips the check.
+overrides that fit; `warn` logs that line and goes on; `false` skips the check. scripts/estimate_memory.py and
+scripts/inspect_data.py print `fit_report`: the estimate held against given GPUs, with the overrides that fit.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ class Target:
     capacity_gib: float
     name: str  # what holds it: "each NVIDIA H100 80GB HBM3", "the RAM available to each of 2 processes (no CUDA)"
     on_cuda: bool
+
+
+REFERENCE_GPUS = (Target(79.2, "an 80 GB H100", True), Target(139.8, "a 141 GB H200", True))  # total_memory, GiB
 
 
 @dataclass(frozen=True)
@@ -152,3 +156,33 @@ def check(cfg: Config, accelerator, target: Target | None = None) -> MemoryEstim
         log.warning("train.memory_check=warn: %s", line)
         return estimate
     raise MemoryFitError(line if accelerator.is_main_process else "")  # the line once, from the main process
+
+
+def gpu_targets(gpu_memory_gib: float | None = None) -> list[Target]:
+    """`gpu_memory_gib`, else the GPU this machine sees, else REFERENCE_GPUS."""
+    if gpu_memory_gib is not None:
+        return [Target(gpu_memory_gib, "the GPU memory given", True)]
+    import torch
+
+    if torch.cuda.is_available():
+        return [local_target(True, 0)]
+    return list(REFERENCE_GPUS)
+
+
+def fit_report(cfg, gpus: int, sharding: str, on_cuda: bool, held_against: list[Target]) -> tuple[list[str], bool]:
+    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do; and
+    whether it fits every target."""
+    model = meta_model(cfg.model)
+    estimate = estimate_memory(cfg, gpus, sharding, on_cuda, model=model)
+    lines, fits_all = estimate.lines(), True
+    for target in held_against:
+        room = target.capacity_gib - estimate.total_gib
+        verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
+        lines.append(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
+        if room < 0:
+            fits_all = False
+            lines += [
+                f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB"
+                for fix in suggestions(cfg, gpus, sharding, target, model)
+            ]
+    return lines, fits_all

@@ -12,7 +12,8 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
                    weights and an untied frozen lm_head in model.dtype (2), the rest fp32 (4), the adapters fp32.
                    FSDP2 over N: each rank's shard, 4/N (LoRA's frozen cast weights 2/N).
     masters        train.master_weights=optimizer: 4 per trainable matmul weight (its fp32 copy in AdamW)
-    gradients      4 per trainable parameter (fp32: the masters' or the fp32 parameters'); /N under FSDP2
+    gradients      4 per trainable parameter (fp32: the masters' or the fp32 parameters'); /N under FSDP2; counted
+                   where they are alive at the peak (below)
     optimizer      AdamW's two fp32 moments: 8 per trainable parameter; /N under FSDP2
     fsdp buffers   FSDP2 only: the root unit (everything outside the decoder layers and ViT blocks: embeddings,
                    lm_head, patch embedding, merger) gathered in bf16 for the whole step, two block units gathered
@@ -20,16 +21,24 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
                    (bf16) with its fp32 copy for the reduce-scatter
     activations    what autograd keeps between forward and backward, per decoder layer (T tokens) and ViT block (P
                    patches), from the block's own modules (`block_activation_bytes`): the bf16 inputs of its matmuls,
-                   the outputs that the next op keeps (attention's q/k/v, the MLP's gate and up), the fp32 residual
-                   and norm tensors, routed experts' copies (top-k of them per token). A checkpointed block keeps only
-                   its fp32 input (4 x width per token) and one block is recomputed at a time in the backward. A part
-                   with nothing trainable before it keeps nothing (a frozen ViT and merger run forward only). The sum
-                   is scaled by ACTIVATION_SCALE (eager or compiled blocks, `train.compile`).
+                   the outputs that the next op keeps (attention's q/k/v, the MLP's gate and up), the fp32 norm
+                   tensors, routed experts' copies (top-k of them per token); fewer when compiled (inductor recomputes
+                   the elementwise ops). A checkpointed block keeps only its input (4 x width per token in the LLM,
+                   whose residual stream is fp32; the ViT's is in model.dtype unless an fp32 position embedding is
+                   added) and, while one block recomputes in the backward, CHECKPOINT_WORKING_BLOCKS blocks' worth. A
+                   part with nothing trainable before it keeps nothing (a frozen ViT and merger run forward only).
+                   The sum is scaled by ACTIVATION_SCALE (eager or compiled blocks, `train.compile`).
     loss           training/loss.py: one chunk of logits (bf16 on CUDA, fp32 on the CPU), the lm_head's gradient held
                    from forward to backward (in its own dtype), its bf16 copy, the hidden states' fp32 gradient (T rows)
     compile        COMPILE_WORKSPACE_GIB with train.compile (inductor's workspace), else 0
     allocator      ALLOCATOR_MARGIN of everything above: the caching allocator's blocks that cannot be reused
     runtime        the CUDA context, cuBLAS/NCCL workspaces (not seen by torch.cuda.max_memory_allocated), GPU only
+
+The peak is the largest of three moments of a step (`optimizer.zero_grad(set_to_none=True)` frees the gradients
+between steps): the start of the backward (every activation, the loss's stored gradients, the top block's recompute;
+gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the end of the LLM's
+backward (its gradients, the ViT's activations) and the end of the backward (every gradient). The breakdown is the
+one at the peak.
 
 `MemoryEstimate.peak_gib` (weights through compile) is what `torch.cuda.max_memory_allocated` reports (a run's
 `peak_mem_gib`), the quantity scripts/estimate_memory.py --compare checks against measured peaks; `total_gib` adds
@@ -454,7 +463,9 @@ def estimate_memory(
     llm_ids = {id(p) for m in parts.llm_parts(model) for p in m.parameters()}
     llm_trainable = sum(q.numel for i, q in params_by_id.items() if i in llm_ids and q.trainable)
     llm_grads = 4 * (llm_trainable + sum(p.numel for p in params[len(base) :])) / shards  # adapters: the LLM's
-    accumulated = states["gradients"] if cfg.train.grad_accum_steps > 1 else 0.0
+    # gradients alive before the backward: the earlier micro-steps' when accumulating, and under DDP always (the
+    # gradients are views into its reduction buckets, allocated when it wraps the model: training/distributed.py)
+    accumulated = states["gradients"] if cfg.train.grad_accum_steps > 1 or sharding == "ddp" else 0.0
 
     # the peak: the start of the backward (every activation kept, the loss's stored gradients, the top block's
     # recompute), the end of the LLM's backward (its gradients, the ViT's activations) or the end of the backward
