@@ -149,7 +149,7 @@ def check(cfg: Config, accelerator, target: Target | None = None) -> MemoryEstim
     model = meta_model(cfg.model)
     estimate = estimate_memory(cfg, accelerator.num_processes, sharding, on_cuda, model=model)
     if estimate.fits(target.capacity_gib):
-        log.info("memory: %s; the %s has %.1f GiB", estimate.describe(), target.name, target.capacity_gib)
+        log.info("memory estimate %s, within the %.1f GiB of %s", estimate.describe(), target.capacity_gib, target.name)
         return estimate
     line = refusal(estimate, target, suggestions(cfg, accelerator.num_processes, sharding, target, model))
     if cfg.train.memory_check == "warn":

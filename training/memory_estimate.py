@@ -127,10 +127,10 @@ class MemoryEstimate:
         return self.total_gib <= capacity_gib
 
     def describe(self) -> str:
-        """One line: the launch assumed and the breakdown."""
+        """One line: the total, the launch assumed and the parts of at least 1% of it (3 significant digits)."""
         launch = "1 process" if self.num_processes == 1 else f"{self.sharding.upper()} over {self.num_processes}"
-        shown = ", ".join(f"{name} {gib:.1f}" for name, gib in self.parts.items() if gib >= 0.05)
-        return f"~{self.total_gib:.1f} GiB per {'GPU' if self.on_cuda else 'process'} ({launch}; GiB: {shown})"
+        shown = ", ".join(f"{name} {gib:.3g}" for name, gib in self.parts.items() if gib >= 0.01 * self.total_gib)
+        return f"~{self.total_gib:.3g} GiB per {'GPU' if self.on_cuda else 'process'} ({launch}; GiB: {shown})"
 
     def lines(self) -> list[str]:
         """The report: one line per part, then the peak and the total."""
