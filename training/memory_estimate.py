@@ -285,13 +285,20 @@ def _base(layer: nn.Module) -> nn.Linear:
 
 
 def block_activation_bytes(
-    block: nn.Module, width: int, top_k: int = 0, adapted: bool = False, compiled: bool = False
+    block: nn.Module,
+    width: int,
+    top_k: int = 0,
+    compiled: bool = False,
+    trained: bool = True,
+    adapted: frozenset[int] = frozenset(),
 ) -> int:
     """Bytes autograd keeps per token for one pass of `block` (a decoder layer or ViT block of residual width
     `width`) with its matmuls in a 16-bit dtype:
 
     - 2 x in_features for each distinct matmul input (layers of one parent with one input width share it, but for
-      a RESIDUAL_PROJECTIONS layer, whose input is its own)
+      a RESIDUAL_PROJECTIONS layer, whose input is its own), kept for the weight's gradient: only when the block's
+      weights train (`trained`). Under LoRA (`adapted`: ids of the nn.Linear layers with an adapter) each adapter
+      keeps its own bf16 cast of an fp32 input (q, k and v three of them), one for an input already in bf16
     - 2 x out_features for each matmul output the next op keeps (all but RESIDUAL_PROJECTIONS), once more for
       ATTENTION_INPUTS (the rotated q/k/v the attention kernel keeps)
     - eager only: 2 x out_features once more for a gated MLP's gate (the activation's output, kept by the product;
@@ -301,18 +308,20 @@ def block_activation_bytes(
     - 4 x channels for each depthwise Conv1d (Gated DeltaNet: its input and output)
     - routed experts (a module holding a 3-D `gate_up_proj`): top_k x (4 x width + 8 x expert width): each copy of
       the token, its gate/up output, the activation, the down projection's input and output
-    - with LoRA adapters (`adapted`): 2 x in_features once more per input, the adapter's own bf16 cast of it.
     """
     total = 0
-    inputs: set[tuple[str, int, bool]] = set()
+    inputs: dict[tuple[str, int, bool], int] = {}  # (parent, in_features, residual) -> layers with an adapter
     for parent, leaf, layer in _linears(block):
         residual = leaf in RESIDUAL_PROJECTIONS  # its input is the output of what precedes it, its own tensor
-        inputs.add((parent, layer.in_features, residual))
+        key = (parent, layer.in_features, residual)
+        inputs[key] = inputs.get(key, 0) + (id(layer) in adapted)
         if not residual:
             total += 2 * layer.out_features
         if leaf in ATTENTION_INPUTS or (leaf == "gate_proj" and not compiled):
             total += 2 * layer.out_features
-    total += sum((4 if adapted else 2) * in_features for _, in_features, _ in inputs)
+    for (_, in_features, residual), adapters in inputs.items():
+        copies = 1 if trained or (residual and adapters) else adapters
+        total += 2 * in_features * copies
     for name, module in block.named_modules():
         if _is_norm(module):
             fused = compiled or isinstance(module, nn.LayerNorm)  # aten's layer norm keeps its fp32 input only
@@ -426,7 +435,9 @@ def estimate_memory(
     text, vision = model.config.text_config, model.config.vision_config
     tokens = _tokens_per_pack(cfg)
     patches = vision_patches if vision_patches is not None else vision_patches_per_pack(cfg, tokens, vision)
-    trains = _trainable_parts(cfg, bool(targets))
+    trains = _parts_training(cfg)
+    adapted = frozenset(id(m) for m in targets)
+    lora_on = {part: cfg.lora is not None and getattr(cfg.lora, part) for part in ("vision", "merger")}
     scale = ACTIVATION_SCALE["compiled" if compiled else "eager"]
     llm = _stack_activations(
         layers,
@@ -435,11 +446,13 @@ def estimate_memory(
         cfg.model.gradient_checkpointing_llm,
         residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
-        adapted=cfg.lora is not None,
         compiled=compiled,
+        trained=trains["llm"],
+        adapted=adapted,
     )
     vit = _Activations()
-    if trains["vision"]:
+    vision_keeps = trains["vision"] or lora_on["vision"]
+    if vision_keeps:
         vit = _stack_activations(
             blocks,
             vision.hidden_size,
@@ -447,13 +460,17 @@ def estimate_memory(
             cfg.model.gradient_checkpointing_vision,
             # the patch embedding's output is in the compute dtype, unless an fp32 position embedding is added to it
             residual_bytes=4 if hasattr(parts.inner_model(model).visual, "pos_embed") else dtype_bytes,
-            adapted=cfg.lora is not None and cfg.lora.vision,
             compiled=compiled,
+            trained=trains["vision"],
+            adapted=adapted,
         )
-    if trains["vision"] or trains["merger"]:
+    if vision_keeps or trains["merger"] or lora_on["merger"]:
         merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
         units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
-        merger_bytes = merged * sum(block_activation_bytes(u, vision.hidden_size, compiled=compiled) for u in units)
+        merger_bytes = merged * sum(
+            block_activation_bytes(u, vision.hidden_size, compiled=compiled, trained=trains["merger"], adapted=adapted)
+            for u in units
+        )
         vit = _Activations(vit.kept + merger_bytes, vit.working)
     params_by_id = {id(p): q for p, q in zip(model.parameters(), base, strict=True)}
     lm_head = params_by_id[id(model.lm_head.weight)]
@@ -506,13 +523,9 @@ def _units(module: nn.Module) -> list[nn.Module]:
     return list(module) if isinstance(module, nn.ModuleList) else [module]
 
 
-def _trainable_parts(cfg: Config, has_adapters: bool) -> dict[str, bool]:
-    """Whether anything trains in each part (adapters included)."""
+def _parts_training(cfg: Config) -> dict[str, bool]:
+    """Whether each part's own weights train fully (not frozen; under LoRA, listed in lora.trainable)."""
     if cfg.lora is not None:
-        return {
-            "vision": cfg.lora.vision or "vision" in cfg.lora.trainable,
-            "merger": cfg.lora.merger or "merger" in cfg.lora.trainable,
-            "llm": has_adapters,
-        }
+        return {part: part in cfg.lora.trainable for part in ("vision", "merger", "llm")}
     model = cfg.model
     return {"vision": not model.freeze_vision, "merger": not model.freeze_merger, "llm": not model.freeze_llm}
