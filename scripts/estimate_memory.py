@@ -63,7 +63,7 @@ def targets(args) -> list[Target]:
 def estimate_recipe(args) -> int:
     cfg = load_config(args.config, args.overrides)
     sharding = "none" if args.gpus == 1 else args.sharding
-    lines, _ = fit_report(cfg, args.gpus, sharding, not args.cpu, targets(args))
+    lines = fit_report(cfg, args.gpus, sharding, not args.cpu, targets(args))
     print(f"{args.config} {' '.join(args.overrides)}".rstrip())
     print("\n".join(lines))
     return 0

@@ -162,7 +162,7 @@ def main() -> None:
     )
 
     print()
-    print("\n".join(fit_report(cfg, 1, "none", True, gpu_targets())[0]))
+    print("\n".join(fit_report(cfg, 1, "none", True, gpu_targets())))
     patches_per_pack = (totals["image_patches"] + totals["video_patches"]) / max(1, packs)
     print(f"  (this data: {patches_per_pack:.0f} ViT patches per pack on average)")
 

@@ -169,20 +169,18 @@ def gpu_targets(gpu_memory_gib: float | None = None) -> list[Target]:
     return list(REFERENCE_GPUS)
 
 
-def fit_report(cfg, gpus: int, sharding: str, on_cuda: bool, held_against: list[Target]) -> tuple[list[str], bool]:
-    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do; and
-    whether it fits every target."""
+def fit_report(cfg: Config, gpus: int, sharding: Sharding, on_cuda: bool, held_against: list[Target]) -> list[str]:
+    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do."""
     model = meta_model(cfg.model)
     estimate = estimate_memory(cfg, gpus, sharding, on_cuda, model=model)
-    lines, fits_all = estimate.lines(), True
+    lines = estimate.lines()
     for target in held_against:
         room = target.capacity_gib - estimate.total_gib
         verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
         lines.append(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
         if room < 0:
-            fits_all = False
             lines += [
                 f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB"
                 for fix in suggestions(cfg, gpus, sharding, target, model)
             ]
-    return lines, fits_all
+    return lines
