@@ -61,7 +61,7 @@ Variants (train.py overrides they set):
            falls in the first, untimed step)
   bf16-compiled  bf16-weights and compiled together, the fastest measured setup on one GPU — only without
            --launcher, as bf16-weights
-  shipped  nothing: the recipe as it ships, its `auto` settings resolved for the machine (training/defaults.py)
+  shipped  nothing: the recipe as it ships, its `auto` settings resolved for the machine (trainer/defaults.py)
   eager-fp32  train.compile=false, kernels.patch_embed=conv, train.master_weights=module, data.num_workers=2: eager
            fp32 module weights, the baseline the shipped defaults are measured against
   Every variant but bf16-weights, bf16-compiled and shipped sets train.master_weights=module; every one but
@@ -85,10 +85,10 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import FAMILIES, hf_config
-from training import run_files
-from training.config import load_config
+from lifecycle import run_files
 from verification.launch import log_tail, run_logged
 from verification.provenance import provenance
 

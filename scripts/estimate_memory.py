@@ -1,4 +1,4 @@
-"""A recipe's memory per GPU before it runs (training/memory_estimate.py), beside the GPU memory it targets; or the
+"""A recipe's memory per GPU before it runs (trainer/memory_estimate.py), beside the GPU memory it targets; or the
 estimate beside the measured peaks of benchmark result files.
 
     python -m scripts.estimate_memory --config recipes/qwen2_5_vl-7b.yaml [--gpus N] [--sharding fsdp2|ddp]
@@ -25,12 +25,12 @@ import re
 import sys
 from pathlib import Path
 
+from core.config import load_config
 from core.config_tree import ConfigError
+from lifecycle import run_files
 from scripts.compare_throughput import VARIANT_OVERRIDES
-from training import run_files
-from training.config import load_config
-from training.memory_check import Target, fit_report, gpu_targets, local_target
-from training.memory_estimate import estimate_memory
+from trainer.memory_check import Target, fit_report, gpu_targets, local_target
+from trainer.memory_estimate import estimate_memory
 
 TOLERANCE = 0.15  # the issue's target: an estimate within 15% of the measured peak
 

@@ -20,13 +20,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import ProcessedRows, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from training.config import load_config
-from training.memory_check import fit_report, gpu_targets
+from trainer.memory_check import fit_report, gpu_targets
 
 
 def describe_sample(

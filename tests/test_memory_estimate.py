@@ -1,4 +1,4 @@
-"""The memory estimate (training/memory_estimate.py), train.py's check against the device (training/memory_check.py)
+"""The memory estimate (trainer/memory_estimate.py), train.py's check against the device (trainer/memory_check.py)
 and scripts/estimate_memory.py: the breakdown's arithmetic, its direction under the settings that change memory, the
 one-line refusal, and every recipe estimable from its model on the meta device."""
 
@@ -15,11 +15,11 @@ import pytest
 import torch
 from accelerate.utils import DistributedType
 
+from core.config import load_config
+from modeling.master_weights import cast_param_ids
 from scripts import estimate_memory as cli
-from training.config import load_config
-from training.master_weights import cast_param_ids
-from training.memory_check import MemoryFitError, Target, check
-from training.memory_estimate import GIB, block_activation_bytes, estimate_memory, meta_model
+from trainer.memory_check import MemoryFitError, Target, check
+from trainer.memory_estimate import GIB, block_activation_bytes, estimate_memory, meta_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -141,7 +141,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_overrides_that_fit(caplog):
     assert "\n" not in line and "79.2 GiB of each test GPU" in line
     assert "lora.rank=16" in line and "--num_processes 4" in line and "train.memory_check=warn" in line
     warn = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.memory_check=warn"])
-    with caplog.at_level(logging.WARNING, logger="training.memory_check"):
+    with caplog.at_level(logging.WARNING, logger="trainer.memory_check"):
         assert check(warn, fake_accelerator(), h100).total_gib > h100.capacity_gib
     assert "train.memory_check=warn" in caplog.text
     assert (

@@ -1,0 +1,300 @@
+"""Checkpoints for an exact resume, and the final inference export.
+
+A checkpoint `<run dir>/checkpoints/step_00000100/` holds accelerate's `save_state` (model, optimizer, scheduler,
+RNG of every rank) plus one `trainer_state_rank<r>.pt` per rank (optimizer step, that rank's data-loader position).
+A `COMPLETE` marker is written last, after every file is synced to disk (and removed first when pruning), so a run
+killed mid-save or mid-prune, or a node lost just after, never resumes from a torn checkpoint; a torn one is removed
+at the next save. The export `<run dir>/final/` is `save_pretrained` + the processor:
+`AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained` load it for inference. It is
+written to `final.partial/` and renamed, so `final/` exists only once complete and `--resume` redoes a killed one.
+
+A write that fails (a full disk or quota, an I/O error: torch.save and safetensors report them as RuntimeError and
+SafetensorError, not OSError) removes what it wrote, leaves every complete checkpoint as it was, and raises
+WriteError on every rank: one line naming the path, the error, the bytes needed and the bytes free there.
+
+With LoRA a checkpoint's model state is the adapters and fully trained parts only (modeling/lora.py), and the export
+adds `final/adapter/` in peft's format; `final/` holds the merged model unless `lora.merge_on_export` is false.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+
+from core.config import CheckpointConfig, LoraConfig
+from core.distributed import HostCollectives
+from modeling import lora
+
+log = logging.getLogger(__name__)
+STEP_DIR = re.compile(r"^step_(\d+)$")
+COMPLETE = "COMPLETE"
+
+
+def checkpoint_dirs(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if STEP_DIR.match(p.name) and (p / COMPLETE).is_file()]
+    return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
+
+
+def incomplete_dirs(run_dir: Path) -> list[Path]:
+    """Checkpoint directories without their COMPLETE marker: saves that a kill, a forced exit or a failed write
+    interrupted."""
+    root = run_dir / "checkpoints"
+    if not root.is_dir():
+        return []
+    return [p for p in root.iterdir() if STEP_DIR.match(p.name) and not (p / COMPLETE).is_file()]
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    dirs = checkpoint_dirs(run_dir)
+    return dirs[-1] if dirs else None
+
+
+def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from: None (`checkpoint.resume` unset), the latest complete one in this run's
+    directory (`latest`; None when there is none yet, so a first launch and a relaunch share one command), or a
+    given checkpoint directory (an error when it is not a complete checkpoint)."""
+    if resume is None:
+        return None
+    if resume == "latest":
+        return latest_checkpoint(run_dir)
+    path = Path(resume)
+    if not (path / COMPLETE).is_file():
+        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint directory (no {COMPLETE}).")
+    return path
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or the export could not be written; the message is one line saying what to do."""
+
+
+def tree_nbytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
+
+
+def state_nbytes(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the model's state and the optimizer's state tensors: what a checkpoint holds, about."""
+    tensors = [*module.state_dict().values()]
+    tensors += [v for state in optimizer.state_dict()["state"].values() for v in state.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def free_bytes(path: Path) -> int:
+    """Free bytes on the filesystem that holds `path` (or its nearest existing parent)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes} bytes ({nbytes / scale:.1f} {unit})"
+    return f"{nbytes} bytes"
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sync_tree(directory: Path) -> None:
+    """fsync every file and directory under `directory`, and itself: the data is on disk before the marker (or the
+    rename) that declares it complete, so a node that loses power keeps no such declaration over lost data."""
+    for path in [*directory.rglob("*"), directory]:
+        _fsync(path)
+
+
+def write_failure(what: str, path: Path, error: BaseException, needed: int) -> str:
+    """The one-line report of a failed write of `what` at `path`; the traceback is logged too where free space does
+    not explain the error."""
+    free = free_bytes(path)
+    if free >= needed:
+        log.error("writing %s %s failed", what, path, exc_info=error)
+    detail = " ".join(str(error).split()) or type(error).__name__
+    return (
+        f"writing {what} {path} failed ({type(error).__name__}: {detail}); it needs about {_size(needed)} and "
+        f"{_size(free)} are free there"
+    )
+
+
+class Checkpointer:
+    """Saves and restores full training state; prunes to the newest `keep_last` checkpoints.
+
+    `host` agrees on a failed write across ranks; `estimate_nbytes()` is the size of a checkpoint when none is on
+    disk yet to measure (for the error message)."""
+
+    def __init__(
+        self,
+        accelerator: Accelerator,
+        run_dir: Path,
+        cfg: CheckpointConfig,
+        host: HostCollectives,
+        estimate_nbytes: Callable[[], int] = lambda: 0,
+    ):
+        self.accelerator = accelerator
+        self.run_dir = run_dir
+        self.cfg = cfg
+        self.host = host
+        self.estimate_nbytes = estimate_nbytes
+
+    def _state_file(self, directory: Path) -> Path:
+        return directory / f"trainer_state_rank{self.accelerator.process_index}.pt"
+
+    def save(self, step: int, data_state: dict[str, Any], timing: dict[str, float]) -> Path:
+        """Save everything after optimizer step `step`; `data_state` is this rank's loader `state_dict()`, `timing`
+        this rank's throughput totals so far (the summary describes the whole run, across resumes). Raises
+        WriteError on every rank when a rank's write fails."""
+        directory = self.run_dir / "checkpoints" / f"step_{step:08d}"
+        main = self.accelerator.is_main_process
+        if main:  # torn saves of killed launches (this run holds the run lock: no one else writes here)
+            for torn in incomplete_dirs(self.run_dir):
+                shutil.rmtree(torn, ignore_errors=True)
+        self.accelerator.wait_for_everyone()
+        failure = None
+        try:
+            self.accelerator.save_state(str(directory))
+            torch.save({"step": step, "data": data_state, "timing": timing}, self._state_file(directory))
+        except Exception as error:  # every rank must reach the agreement below, whatever the write raised
+            failure = write_failure("the checkpoint", directory, error, self._checkpoint_nbytes())
+        self._agree_or_raise(failure, directory)
+        if main:
+            try:
+                _sync_tree(directory)
+                (directory / COMPLETE).write_text(f"{step}\n")
+                _fsync(directory / COMPLETE)
+                _fsync(directory)
+            except OSError as error:
+                failure = write_failure("the checkpoint", directory, error, self._checkpoint_nbytes())
+        self._agree_or_raise(failure, directory)
+        if main:
+            for old in checkpoint_dirs(self.run_dir)[: -self.cfg.keep_last]:
+                (old / COMPLETE).unlink()
+                shutil.rmtree(old)
+        self.accelerator.wait_for_everyone()
+        return directory
+
+    def _checkpoint_nbytes(self) -> int:
+        latest = latest_checkpoint(self.run_dir)
+        return tree_nbytes(latest) if latest is not None else self.estimate_nbytes()
+
+    def _agree_or_raise(self, failure: str | None, directory: Path) -> None:
+        """Every rank's outcome; on a failure anywhere, the partial checkpoint goes and every rank raises it."""
+        failures = [f for f in self.host.gather(failure) if f]
+        if not failures:
+            return
+        if self.accelerator.is_main_process:
+            shutil.rmtree(directory, ignore_errors=True)
+        latest = latest_checkpoint(self.run_dir)
+        kept = f"the latest complete checkpoint, {latest}, is intact" if latest else "no earlier checkpoint exists"
+        raise WriteError(
+            f"{failures[0]}. The partial checkpoint is removed and {kept}: free space (or fix the error), then "
+            "relaunch with --resume."
+        )
+
+    def load(self, directory: Path) -> tuple[int, dict[str, Any]]:
+        """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's trainer state:
+        "data", the loader position, and "timing", the throughput totals, where the checkpoint holds them)."""
+        self.accelerator.load_state(str(directory))
+        state_file = self._state_file(directory)
+        if not state_file.is_file():
+            raise FileNotFoundError(
+                f"{state_file} is missing: the checkpoint was written by a run with fewer processes. "
+                "Resume with the same number of processes."
+            )
+        state = torch.load(state_file, weights_only=False)
+        return state["step"], state
+
+
+def export_complete(out_dir: Path) -> bool:
+    return out_dir.is_dir()
+
+
+def export(
+    accelerator: Accelerator,
+    model: torch.nn.Module,
+    processor: Any,
+    out_dir: Path,
+    dtype: str,
+    host: HostCollectives,
+    lora_cfg: LoraConfig | None = None,
+    base_model: str | None = None,
+) -> Path:
+    """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
+
+    `model` is the prepared training module (`step.TrainModule`): its `.model` is the HF model; the full state
+    dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
+    it to `out_dir` (see `export_complete`). With LoRA (`lora_cfg`) the adapter goes to `<out_dir>/adapter/` in
+    peft's format (for `base_model`, the run's `model.name_or_path`) and, with `lora.merge_on_export`, the model
+    with the adapters merged into its weights to `out_dir` itself; the processor always goes to `out_dir`. A failed
+    write removes the partial export and raises WriteError on every rank (`host` tells them).
+    """
+    hf_model = accelerator.unwrap_model(model).model
+    with lora.full_state_dict(hf_model) if lora_cfg is not None else contextlib.nullcontext():
+        state = accelerator.get_state_dict(model)
+    partial = out_dir.with_name(out_dir.name + ".partial")
+    failure = None
+    if accelerator.is_main_process:
+        target = getattr(torch, dtype)
+        weights = {key.removeprefix("model."): value for key, value in state.items()}
+        try:
+            _write_export(hf_model, weights, processor, partial, out_dir, target, lora_cfg, base_model)
+        except Exception as error:  # every rank must reach the agreement below
+            size = torch.empty((), dtype=target).element_size()
+            needed = sum(t.numel() * (size if t.is_floating_point() else t.element_size()) for t in weights.values())
+            failure = write_failure("the export", partial, error, needed)
+            shutil.rmtree(partial, ignore_errors=True)
+    failures = [f for f in host.gather(failure) if f]
+    if failures:
+        raise WriteError(
+            f"{failures[0]}. The partial export is removed and the checkpoints are intact: free space (or fix the "
+            "error), then relaunch with --resume, which writes the export again."
+        )
+    return out_dir
+
+
+def _write_export(
+    hf_model,
+    weights: dict,
+    processor: Any,
+    partial: Path,
+    out_dir: Path,
+    target: torch.dtype,
+    lora_cfg: LoraConfig | None,
+    base_model: str | None,
+) -> None:
+    """Write `partial` (the adapter with LoRA; the weights in `target`, merged with LoRA unless told not to; the
+    processor), sync it, and rename it to `out_dir`."""
+    shutil.rmtree(partial, ignore_errors=True)
+    if lora_cfg is not None:
+        lora.export_adapter(partial / lora.ADAPTER_DIR, weights, hf_model, lora_cfg, base_model, target)
+    if lora_cfg is None or lora_cfg.merge_on_export:
+        if lora_cfg is not None:
+            weights = lora.merged_state(weights, hf_model)
+        weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+        hf_model.save_pretrained(partial, state_dict=weights)
+        # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `target`.
+        hf_model.config.dtype = str(target).removeprefix("torch.")
+        hf_model.config.save_pretrained(partial)
+    processor.save_pretrained(partial)
+    _sync_tree(partial)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    partial.rename(out_dir)
+    _fsync(out_dir.parent)  # the rename itself
+    log.info("exported %s", out_dir)

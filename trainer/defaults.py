@@ -1,0 +1,73 @@
+"""The recipe's `auto` settings made concrete for this launch, so a recipe as shipped runs the fast path on a GPU
+and stays light on a CPU:
+
+    train.compile         auto → true with CUDA (regional compile, modeling/compile.py), false on the CPU, where
+                          inductor's compile of every block costs more than a CPU run's steps gain
+    train.master_weights  auto → optimizer (bf16 compute weights, fp32 masters in AdamW: modeling/master_weights.py)
+                          for one CUDA process computing in bfloat16; module elsewhere: under FSDP2, whose mixed
+                          precision already computes on bf16 parameters with fp32 masters and an fp32 reduce
+                          (core/distributed.py); under DDP, which would reduce bf16 gradients in bf16; on the CPU;
+                          and in float32 or float16
+    data.num_workers      null → with CUDA, min(8, CPU cores per local process - 1), at least 1; on the CPU 0 (batches
+                          collate in the prefetch thread: the cores are busy with the step itself); the rule is
+                          data/pipeline.py's `default_loader_workers`, which build_data also applies to a null
+
+`resolve` returns the config with those values and logs each one it chose, e.g. `train.compile=auto -> true (CUDA)`;
+train.py resolves before it writes the run's config.yaml, so the run directory records what ran, and a resume on a
+machine that resolves differently shows the difference (lifecycle/resume.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from accelerate import Accelerator
+from accelerate.utils import DistributedType
+
+from core.config import Config
+from data.pipeline import cpu_cores, default_loader_workers, local_processes
+
+log = logging.getLogger(__name__)
+
+
+def resolve(cfg: Config, accelerator: Accelerator) -> Config:
+    """`cfg` with train.compile, train.master_weights and data.num_workers concrete (module docstring); a config
+    without `auto` / null there comes back unchanged and logs nothing."""
+    on_cuda = accelerator.device.type == "cuda"
+    train, data, chosen = cfg.train, cfg.data, []
+    if train.compile == "auto":
+        train = dataclasses.replace(train, compile=on_cuda)
+        chosen.append(f"train.compile=auto -> {str(on_cuda).lower()} ({'CUDA' if on_cuda else 'no CUDA'})")
+    if train.master_weights == "auto":
+        mode, why = _master_weights(cfg, accelerator, on_cuda)
+        train = dataclasses.replace(train, master_weights=mode)
+        chosen.append(f"train.master_weights=auto -> {mode} ({why})")
+    if data.num_workers is None:
+        cores, local = cpu_cores(), local_processes()
+        data = dataclasses.replace(data, num_workers=default_loader_workers(on_cuda, cores, local))
+        where = f"{cores} cores, {local} local process(es)" if on_cuda else "no CUDA: collated inline"
+        chosen.append(f"data.num_workers=null -> {data.num_workers} ({where})")
+    for line in chosen:
+        log.info("%s", line)
+    return dataclasses.replace(cfg, train=train, data=data) if chosen else cfg
+
+
+def _master_weights(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[str, str]:
+    """train.master_weights for auto, and why."""
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    return auto_master_weights(cfg.model.dtype, fsdp, accelerator.num_processes, on_cuda)
+
+
+def auto_master_weights(model_dtype: str, fsdp: bool, num_processes: int, on_cuda: bool) -> tuple[str, str]:
+    """train.master_weights=auto for a launch of `num_processes` processes (under FSDP2 or not) on CUDA or not, and
+    why (the module docstring's rule; trainer/memory_estimate.py applies it before any process starts)."""
+    if fsdp:
+        return "module", "FSDP2 computes in bf16 on fp32 masters itself"
+    if num_processes > 1:
+        return "module", "DDP would reduce bf16 gradients in bf16"
+    if not on_cuda:
+        return "module", "no CUDA"
+    if model_dtype != "bfloat16":
+        return "module", f"model.dtype={model_dtype}"
+    return "optimizer", "one CUDA process, bfloat16"
