@@ -69,13 +69,14 @@ GIB = 2**30
 Sharding = Literal["none", "ddp", "fsdp2"]
 
 ACTIVATION_SCALE = {"eager": 1.0, "compiled": 1.0}
-"""Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks (inductor keeps fewer,
-fused tensors). Calibrated from measured peaks in docs/results (see docs/memory.md, "Calibration"): the 3B bench shape
-without checkpointing, eager fp32 module weights 102.6 GiB (compare-3b-fused-unfused-liger-3x3-h200-2026-12-04.json)
-and compiled on bf16 weights 78.7 GiB (levers-3b-eager-rows-matmuls-h200-2026-12-03.json)."""
+"""Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks. Calibrated from the
+measured peaks in docs/results (docs/memory.md, "Calibration": the 3B, 8B and Qwen3.5 bench shapes eager and compiled,
+the 3B at full depth on one GPU, under DDP and under FSDP2): at 1.0 for both, every estimate is within 7% of its
+peak (measured / estimated 0.93 to 1.04). `python -m scripts.estimate_memory --compare <result JSONs>` recomputes
+the ratios for new measurements (docs/results/recipes-<date>.json)."""
 COMPILE_WORKSPACE_GIB = 0.5
-"""Inductor's workspace and the compiled blocks' extra buffers with train.compile. Calibrated with
-ACTIVATION_SCALE (docs/memory.md)."""
+"""Inductor's workspace and the compiled blocks' extra buffers with train.compile: an allowance not measured apart
+yet; the compiled peaks of docs/memory.md's calibration fit with it."""
 ALLOCATOR_MARGIN = 0.05
 """The share of the allocated peak that the caching allocator holds beyond it (blocks split or cached that a request
 cannot reuse): the OOM of recipe-qwen2_5_vl-3b-vit-uncheckpointed-oom-h200-2026-12-05.json reports 0.46 GiB
@@ -85,7 +86,9 @@ CUDA_RUNTIME_GIB = 1.0
 139.77 GiB in use by the process against 139.06 reserved by PyTorch, 0.7 GiB)."""
 TEXT_TOKENS_PER_IMAGE = 112
 """Text tokens (prompt and answer) per image sample, for the vision share of a pack: the built-in data's packs of
-256-1024-token images are ~85% image tokens (recipes/bench-qwen2_5_vl-3b-shape.yaml), ~112 text tokens a sample."""
+256-1024-token images are ~85% image tokens (recipes/bench-qwen2_5_vl-3b-shape.yaml), ~112 text tokens a sample.
+recipes/qwen2_5_vl-3b.yaml's data hold 58,925 ViT patches per pack on average (scripts/inspect_data.py,
+data.num_samples=400), the estimate 59,074."""
 RESIDUAL_PROJECTIONS = ("o_proj", "out_proj", "down_proj", "proj", "linear_fc2")
 """Linear layers whose output goes straight into the residual add (which keeps nothing for its backward)."""
 CHECKPOINT_WORKING_BLOCKS = 2
