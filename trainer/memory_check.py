@@ -1,9 +1,10 @@
 """Whether a run fits the devices it has, checked before the model is built (trainer/memory_estimate.py's estimate
 against each GPU's memory, or on a CPU-only host the RAM available), and the overrides that would make it fit.
 
-train.py calls `check(cfg, accelerator)` once `auto` settings are resolved: with `train.memory_check: true` (the
-default) a run that cannot fit stops with one line (a `MemoryFitError`) naming the estimate, the device and the
-overrides that fit; `warn` logs that line and goes on; `false` skips the check. scripts/estimate_memory.py and
+train.py calls `check(cfg, accelerator)` first (the estimate resolves `auto` settings as trainer/defaults.py will
+for this launch): with `train.memory_check: true` (the default) a run that cannot fit stops with one line (a
+`MemoryFitError`) naming the estimate, the device and the overrides that fit; `warn` logs that line and goes on;
+`false` skips the check. scripts/estimate_memory.py and
 scripts/inspect_data.py print `fit_report`: the estimate held against given GPUs, with the overrides that fit.
 """
 
