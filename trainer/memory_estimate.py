@@ -291,6 +291,7 @@ def block_activation_bytes(
     block: nn.Module,
     width: int,
     top_k: int = 0,
+    expert_bytes: int = 2,
     compiled: bool = False,
     trained: bool = True,
     adapted: frozenset[int] = frozenset(),
@@ -309,8 +310,9 @@ def block_activation_bytes(
     - per norm (`_norm_width`): an eager RMSNorm 8 x width (its fp32 input and normalised output); compiled, or an
       nn.LayerNorm (one aten kernel), 4 x width (the fp32 input; the rest is recomputed)
     - 4 x channels for each depthwise Conv1d (Gated DeltaNet: its input and output)
-    - routed experts (a module holding a 3-D `gate_up_proj`): top_k x (4 x width + 8 x expert width): each copy of
-      the token, its gate/up output, the activation, the down projection's input and output
+    - routed experts (a module holding a 3-D `gate_up_proj`): top_k x (2 x width + 4 x expert width) elements of
+      `expert_bytes` each: each copy of the token, its gate/up output, the activation, the down projection's input
+      and output (the expert stacks multiply in their own dtype: autocast does not cast grouped_mm)
     """
     total = 0
     inputs: dict[tuple[str, int, bool], int] = {}  # (parent, in_features, residual) -> layers with an adapter
@@ -334,7 +336,7 @@ def block_activation_bytes(
         gate_up = getattr(module, "gate_up_proj", None)
         if isinstance(gate_up, nn.Parameter) and gate_up.ndim == 3:
             expert_width = gate_up.shape[1] // 2 if gate_up.shape[2] == width else gate_up.shape[2] // 2
-            total += top_k * (4 * width + 8 * expert_width)
+            total += top_k * (2 * width + 4 * expert_width) * expert_bytes
     return total
 
 
@@ -437,6 +439,7 @@ def estimate_memory(
     layers, blocks = _blocks(model)
     text, vision = model.config.text_config, model.config.vision_config
     tokens = _tokens_per_pack(cfg)
+    vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
     patches = vision_patches if vision_patches is not None else vision_patches_per_pack(cfg, tokens, vision)
     trains = _parts_training(cfg)
     adapted = frozenset(id(m) for m in targets)
@@ -449,6 +452,8 @@ def estimate_memory(
         cfg.model.gradient_checkpointing_llm,
         residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
+        # fp32 expert stacks (module mode, full fine-tune) multiply in fp32; cast ones in model.dtype
+        expert_bytes=4 if mode == "module" and cfg.lora is None else dtype_bytes,
         compiled=compiled,
         trained=trains["llm"],
         adapted=adapted,
@@ -458,7 +463,7 @@ def estimate_memory(
     if vision_keeps:
         vit = _stack_activations(
             blocks,
-            vision.hidden_size,
+            vit_width,
             patches,
             cfg.model.gradient_checkpointing_vision,
             # the patch embedding's output is in the compute dtype, unless an fp32 position embedding is added to it
@@ -471,7 +476,7 @@ def estimate_memory(
         merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
         units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
         merger_bytes = merged * sum(
-            block_activation_bytes(u, vision.hidden_size, compiled=compiled, trained=trains["merger"], adapted=adapted)
+            block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
             for u in units
         )
         vit = _Activations(vit.kept + merger_bytes, vit.working)
