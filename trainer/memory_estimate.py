@@ -53,7 +53,7 @@ image tokens, share 1. A 16k-token pack of 256-1024-token images: ~59k patches (
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -67,6 +67,7 @@ from trainer.loss import CE_CHUNK_ELEMENTS, CE_KERNEL_CHUNK_ELEMENTS
 
 GIB = 2**30
 Sharding = Literal["none", "ddp", "fsdp2"]
+MARGIN_PARTS = ("allocator", "runtime")  # the parts beyond the allocated peak
 
 ACTIVATION_SCALE = {"eager": 1.0, "compiled": 1.0}
 """Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks. Calibrated from the
@@ -115,7 +116,6 @@ class MemoryEstimate:
     total_params: int
     trainable_params: int
     on_cuda: bool = True
-    margins: tuple[str, ...] = field(default=("allocator", "runtime"))
 
     @property
     def total_gib(self) -> float:
@@ -124,7 +124,7 @@ class MemoryEstimate:
     @property
     def peak_gib(self) -> float:
         """The allocated peak: every part but the allocator and runtime margins."""
-        return sum(gib for name, gib in self.parts.items() if name not in self.margins)
+        return sum(gib for name, gib in self.parts.items() if name not in MARGIN_PARTS)
 
     def fits(self, capacity_gib: float) -> bool:
         return self.total_gib <= capacity_gib
@@ -386,6 +386,60 @@ def _stack_activations(
     return _Activations(count * float(sum(per_block)))
 
 
+def _activations(
+    model: nn.Module,
+    cfg: Config,
+    tokens: int,
+    patches: int,
+    compiled: bool,
+    adapted: frozenset[int],
+    expert_bytes: int,
+) -> tuple[_Activations, _Activations]:
+    """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches,
+    unscaled; `adapted`: ids of the linear layers with a LoRA adapter."""
+    layers, blocks = _blocks(model)
+    text, vision = model.config.text_config, model.config.vision_config
+    vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
+    trains = _parts_training(cfg)
+    lora_on = {part: cfg.lora is not None and getattr(cfg.lora, part) for part in ("vision", "merger")}
+    llm = _stack_activations(
+        layers,
+        text.hidden_size,
+        tokens,
+        cfg.model.gradient_checkpointing_llm,
+        residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
+        top_k=getattr(text, "num_experts_per_tok", 0) or 0,
+        expert_bytes=expert_bytes,  # fp32 expert stacks (module mode, full fine-tune) multiply in fp32
+        compiled=compiled,
+        trained=trains["llm"],
+        adapted=adapted,
+    )
+    vit = _Activations()
+    vision_keeps = trains["vision"] or lora_on["vision"]
+    # the patch embedding's output is in the compute dtype, unless an fp32 position embedding is added to it
+    fp32_positions = hasattr(parts.inner_model(model).visual, "pos_embed")
+    if vision_keeps:
+        vit = _stack_activations(
+            blocks,
+            vit_width,
+            patches,
+            cfg.model.gradient_checkpointing_vision,
+            residual_bytes=4 if fp32_positions else _dtype_bytes(cfg.model.dtype),
+            compiled=compiled,
+            trained=trains["vision"],
+            adapted=adapted,
+        )
+    if vision_keeps or trains["merger"] or lora_on["merger"]:
+        merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
+        units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
+        merger_bytes = merged * sum(
+            block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
+            for u in units
+        )
+        vit = _Activations(vit.kept + merger_bytes, vit.working)
+    return llm, vit
+
+
 def _loss_bytes(model: nn.Module, tokens: int, on_cuda: bool, lm_head_trainable: bool, weight_bytes: int) -> float:
     vocab, hidden = model.lm_head.weight.shape
     chunk = CE_KERNEL_CHUNK_ELEMENTS if on_cuda else CE_CHUNK_ELEMENTS
@@ -436,50 +490,12 @@ def estimate_memory(
     params = base + _adapters(targets, cfg.lora.rank if cfg.lora else 0)
     states = _state_bytes(params, mode, dtype_bytes, shards)
 
-    layers, blocks = _blocks(model)
-    text, vision = model.config.text_config, model.config.vision_config
     tokens = _tokens_per_pack(cfg)
-    vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
+    vision = model.config.vision_config
     patches = vision_patches if vision_patches is not None else vision_patches_per_pack(cfg, tokens, vision)
-    trains = _parts_training(cfg)
-    adapted = frozenset(id(m) for m in targets)
-    lora_on = {part: cfg.lora is not None and getattr(cfg.lora, part) for part in ("vision", "merger")}
+    expert_bytes = 4 if mode == "module" and cfg.lora is None else dtype_bytes
+    llm, vit = _activations(model, cfg, tokens, patches, compiled, frozenset(id(m) for m in targets), expert_bytes)
     scale = ACTIVATION_SCALE["compiled" if compiled else "eager"]
-    llm = _stack_activations(
-        layers,
-        text.hidden_size,
-        tokens,
-        cfg.model.gradient_checkpointing_llm,
-        residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
-        top_k=getattr(text, "num_experts_per_tok", 0) or 0,
-        # fp32 expert stacks (module mode, full fine-tune) multiply in fp32; cast ones in model.dtype
-        expert_bytes=4 if mode == "module" and cfg.lora is None else dtype_bytes,
-        compiled=compiled,
-        trained=trains["llm"],
-        adapted=adapted,
-    )
-    vit = _Activations()
-    vision_keeps = trains["vision"] or lora_on["vision"]
-    if vision_keeps:
-        vit = _stack_activations(
-            blocks,
-            vit_width,
-            patches,
-            cfg.model.gradient_checkpointing_vision,
-            # the patch embedding's output is in the compute dtype, unless an fp32 position embedding is added to it
-            residual_bytes=4 if hasattr(parts.inner_model(model).visual, "pos_embed") else dtype_bytes,
-            compiled=compiled,
-            trained=trains["vision"],
-            adapted=adapted,
-        )
-    if vision_keeps or trains["merger"] or lora_on["merger"]:
-        merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
-        units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
-        merger_bytes = merged * sum(
-            block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
-            for u in units
-        )
-        vit = _Activations(vit.kept + merger_bytes, vit.working)
     params_by_id = {id(p): q for p, q in zip(model.parameters(), base, strict=True)}
     lm_head = params_by_id[id(model.lm_head.weight)]
     lm_head_bytes = 2 if mode == "fsdp2" or lm_head.lora_frozen_cast else 4
