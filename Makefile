@@ -68,8 +68,8 @@ estimate-memory:  ## a recipe's memory per GPU before it runs, and which GPUs an
 verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
 	$(PY) -m scripts.verify_packing --config $(CONFIG) $(ARGS)
 
-compare:  ## wandb throughput comparison: fused vs unfused rope (and packed vs padded)
-	$(PY) -m scripts.compare_throughput --config $(CONFIG) $(ARGS)
+compare:  ## wandb throughput comparison: fused vs unfused rope on the eager fp32 path (VARIANTS=shipped,shipped-unfused: as shipped, compiled)
+	$(PY) -m scripts.compare_throughput --config $(CONFIG) --variants $(or $(VARIANTS),fused,unfused) $(ARGS)
 
 profile:  ## torch.profiler on a few training steps: top kernels, device time by category, trace (artifacts/profile)
 	$(PY) -m scripts.profile_step --config $(CONFIG) $(ARGS)
