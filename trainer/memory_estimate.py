@@ -5,10 +5,11 @@ the meta device (no memory, no download) and its parameters, parts and blocks ar
 How each part is counted (bytes per parameter; T tokens and P ViT patches per pack and rank):
 
     weights        what the module holds. Full fine-tune, one process or DDP (replicated): `train.master_weights`
-                   module: 4 (fp32), plus 2 for autocast's bf16 copy of every matmul weight (`cast_param_ids`), held
-                   from its first use in the forward to the end of the backward; optimizer: 2 per matmul weight (its
-                   fp32 master is the next part), 4 per parameter kept fp32 (embeddings, lm_head, norms, gates,
-                   the ViT's patch embedding: modeling/master_weights.py). LoRA (modeling/lora.py): the frozen matmul
+                   module: 4 (fp32), plus 2 for autocast's bf16 copy of every trained matmul weight
+                   (`cast_param_ids`), in autocast's cache to the end of the forward, then kept by the blocks that are
+                   not checkpointed to their backward; optimizer: 2 per matmul weight (its fp32 master is the next
+                   part), 4 per parameter kept fp32 (embeddings, lm_head, norms, gates, the ViT's patch embedding:
+                   modeling/master_weights.py). LoRA (modeling/lora.py): the frozen matmul
                    weights and an untied frozen lm_head in model.dtype (2), the rest fp32 (4), the adapters fp32.
                    FSDP2 over N: each rank's shard, 4/N (LoRA's frozen cast weights 2/N).
     masters        train.master_weights=optimizer: 4 per trainable matmul weight (its fp32 copy in AdamW)
@@ -34,11 +35,12 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
     allocator      ALLOCATOR_MARGIN of everything above: the caching allocator's blocks that cannot be reused
     runtime        the CUDA context, cuBLAS/NCCL workspaces (not seen by torch.cuda.max_memory_allocated), GPU only
 
-The peak is the largest of three moments of a step (`optimizer.zero_grad(set_to_none=True)` frees the gradients
-between steps): the start of the backward (every activation, the loss's stored gradients, the top block's recompute;
-gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the end of the LLM's
-backward (its gradients, the ViT's activations) and the end of the backward (every gradient). The breakdown is the
-one at the peak.
+The peak is the largest of four moments of a step (`optimizer.zero_grad(set_to_none=True)` frees the gradients
+between steps): the end of the forward (every activation, module mode's copies, the loss's stored gradients;
+gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the start of the
+backward (the copies blocks not checkpointed keep, the top block's recompute), the end of the LLM's backward (its
+gradients, the ViT's activations) and the end of the backward (every gradient). The breakdown is the one at the
+peak.
 
 `MemoryEstimate.peak_gib` (weights through compile) is what `torch.cuda.max_memory_allocated` reports (a run's
 `peak_mem_gib`), the quantity scripts/estimate_memory.py --compare checks against measured peaks; `total_gib` adds
@@ -72,9 +74,9 @@ MARGIN_PARTS = ("allocator", "runtime")  # the parts beyond the allocated peak
 ACTIVATION_SCALE = {"eager": 1.0, "compiled": 1.0}
 """Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks. Calibrated from the
 measured peaks in docs/results (docs/memory.md, "Calibration": the 3B, 8B and Qwen3.5 bench shapes eager and compiled,
-the 3B at full depth on one GPU, under DDP and under FSDP2): at 1.0 for both, every estimate is within 7% of its
-peak (measured / estimated 0.93 to 1.04). `python -m scripts.estimate_memory --compare <result JSONs>` recomputes
-the ratios for new measurements (docs/results/recipes-<date>.json)."""
+the 3B at full depth on one GPU, under DDP and under FSDP2, qwen3_vl-2b.yaml on an H100): at 1.0 for both, every
+estimate is within 10% of its peak (measured / estimated 0.90 to 1.06). `python -m scripts.estimate_memory
+--compare <result JSONs>` recomputes the ratios for new measurements (docs/results/recipes-<date>.json)."""
 COMPILE_WORKSPACE_GIB = 0.5
 """Inductor's workspace and the compiled blocks' extra buffers with train.compile: an allowance not measured apart
 yet; the compiled peaks of docs/memory.md's calibration fit with it."""
@@ -162,6 +164,7 @@ class _Param:
     trainable: bool
     cast: bool  # a matmul weight (`cast_param_ids`): computed in model.dtype
     lora_frozen_cast: bool  # LoRA holds it frozen in model.dtype
+    part: str = "llm"  # "llm", "vision" or "merger" (parts.part_modules); an adapter counts as the LLM's
 
 
 def meta_model(model_cfg: ModelConfig) -> nn.Module:
@@ -216,8 +219,15 @@ def _params(model: nn.Module, cfg: Config) -> list[_Param]:
         lora_cast = set(cast_ids)
         if model.lm_head.weight is not model.get_input_embeddings().weight:
             lora_cast.add(id(model.lm_head.weight))
+    part_of = {id(p): part for part, mods in parts.part_modules(model).items() for m in mods for p in m.parameters()}
     return [
-        _Param(p.numel(), id(p) in trainable, id(p) in cast_ids, id(p) in lora_cast and id(p) not in trainable)
+        _Param(
+            p.numel(),
+            id(p) in trainable,
+            id(p) in cast_ids,
+            id(p) in lora_cast and id(p) not in trainable,
+            part_of.get(id(p), "llm"),
+        )
         for p in model.parameters()
     ]
 
@@ -229,29 +239,26 @@ def _adapters(targets: list[nn.Linear], rank: int) -> list[_Param]:
 
 def _state_bytes(params: list[_Param], mode: str, dtype_bytes: int, shards: int) -> dict[str, float]:
     """weights, masters, gradients and optimizer (bytes per rank) for `mode` (module docstring): "fsdp2" holds fp32
-    shards with no autocast copy (its bf16 gathers are `_fsdp_buffers`)."""
-    weights = masters = grads = moments = 0.0
+    shards with no autocast copy (its bf16 gathers are `_fsdp_buffers`). Module mode's autocast copies of trained
+    matmul weights are apart, by part (`copies_llm`, `copies_vision`, `copies_merger`): the estimate places them."""
+    states = dict.fromkeys(("weights", "masters", "gradients", "optimizer", "copies_llm", "copies_vision"), 0.0)
+    states["copies_merger"] = 0.0
     half = dtype_bytes < 4
     for p in params:
         if p.lora_frozen_cast:
-            weights += dtype_bytes * p.numel
+            states["weights"] += dtype_bytes * p.numel
             continue
         if mode == "optimizer" and p.cast and half:
-            weights += dtype_bytes * p.numel
-            masters += 4 * p.numel if p.trainable else 0
+            states["weights"] += dtype_bytes * p.numel
+            states["masters"] += 4 * p.numel if p.trainable else 0
         else:
-            weights += 4 * p.numel
-            if mode == "module" and p.cast and half:
-                weights += dtype_bytes * p.numel  # autocast's copy, held through the backward
+            states["weights"] += 4 * p.numel
+            if mode == "module" and p.cast and half and p.trainable:  # autocast caches the casts of trained leaves
+                states[f"copies_{p.part}"] += dtype_bytes * p.numel
         if p.trainable:
-            grads += 4 * p.numel
-            moments += 8 * p.numel
-    return {
-        "weights": weights / shards,
-        "masters": masters / shards,
-        "gradients": grads / shards,
-        "optimizer": moments / shards,
-    }
+            states["gradients"] += 4 * p.numel
+            states["optimizer"] += 8 * p.numel
+    return {name: value / shards for name, value in states.items()}
 
 
 def _linears(block: nn.Module) -> Iterator[tuple[str, str, nn.Linear]]:
@@ -508,16 +515,29 @@ def estimate_memory(
     # gradients are views into its reduction buckets, allocated when it wraps the model: core/distributed.py)
     accumulated = states["gradients"] if cfg.train.grad_accum_steps > 1 or sharding == "ddp" else 0.0
 
-    # the peak: the start of the backward (every activation kept, the loss's stored gradients, the top block's
-    # recompute), the end of the LLM's backward (its gradients, the ViT's activations) or the end of the backward
-    phases = [
-        (accumulated, llm.kept + llm.working, vit.kept, loss),
-        (max(accumulated, llm_grads), 0.0, vit.kept + vit.working, 0.0),
-        (states["gradients"], 0.0, 0.0, 0.0),
+    # module mode's autocast copies: all of them at the end of the forward (autocast's cache); in the backward only
+    # those the matmuls of blocks that are not checkpointed keep (and the merger's, which is never checkpointed)
+    copies = {part: states.pop(f"copies_{part}") for part in ("llm", "vision", "merger")}
+    held = {
+        "llm": 0.0 if cfg.model.gradient_checkpointing_llm else copies["llm"],
+        "vision": 0.0 if cfg.model.gradient_checkpointing_vision else copies["vision"],
+        "merger": copies["merger"],
+    }
+    # the peak, the largest of: the end of the forward (every activation kept, every copy, the loss's stored
+    # gradients), the start of the backward (the top block recomputed), the end of the LLM's backward (its gradients,
+    # the ViT's activations) and the end of the backward (every gradient)
+    phases = [  # (copies, gradients, LLM activations, ViT activations, loss)
+        (sum(copies.values()), accumulated, llm.kept, vit.kept, loss),
+        (sum(held.values()), accumulated, llm.kept + llm.working, vit.kept, loss),
+        (held["vision"] + held["merger"], max(accumulated, llm_grads), 0.0, vit.kept + vit.working, 0.0),
+        (0.0, states["gradients"], 0.0, 0.0, 0.0),
     ]
-    grads, llm_acts, vit_acts, loss_at_peak = max(phases, key=lambda p: p[0] + (p[1] + p[2]) * scale + p[3])
+    held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(
+        phases, key=lambda p: p[0] + p[1] + (p[2] + p[3]) * scale + p[4]
+    )
     part_bytes = {
         **states,
+        "weights": states["weights"] + held_copies,
         "gradients": grads,
         "fsdp_buffers": fsdp,
         "activations_llm": llm_acts * scale,
