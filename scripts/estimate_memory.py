@@ -12,9 +12,10 @@ CPU-only run.
 
 `--compare` reads result files with measured peaks (`peak_mem_gib`, torch.cuda.max_memory_allocated): a
 recipes-<date>.json of scripts/bench_recipes.py (`recipes[name][variant]`, launched as its `launch` says) or a
-compare_throughput JSON (`variants[name]`, one process). For every measured variant it estimates the same recipe,
-overrides and launch, and prints measured / estimated (target: within TOLERANCE); `--write` adds
-`memory_estimate_gib` and `memory_ratio` (measured / estimated) beside each `peak_mem_gib` in the file.
+compare_throughput JSON (`variants[name]`, one process unless it records a `launcher`). For every measured variant
+it estimates the same recipe, overrides and launch, and prints measured / estimated (target: within TOLERANCE);
+`--write` adds `memory_estimate_gib` and `memory_ratio` (measured / estimated) beside each `peak_mem_gib` in the
+file.
 """
 
 from __future__ import annotations
@@ -95,7 +96,9 @@ def measured_runs(result: dict) -> list[tuple[str, str, dict, list[str], str]]:
         for variant, numbers in result["variants"].items():
             if isinstance(numbers, dict) and numbers.get("peak_mem_gib") is not None:
                 extra = [f"{k}={v}" for k, v in VARIANT_OVERRIDES.get(variant, {}).items()]
-                runs.append((variant, result["recipe"], numbers, [*result["overrides"], *extra], ""))
+                runs.append(
+                    (variant, result["recipe"], numbers, [*result["overrides"], *extra], result.get("launcher") or "")
+                )
     return runs
 
 
