@@ -29,7 +29,7 @@ from core.config import load_config
 from core.config_tree import ConfigError
 from data.formats import DataError
 from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump, trusted_resume
-from trainer import defaults, loop, metrics, optim, tracking
+from trainer import defaults, loop, memory_check, metrics, optim, tracking
 from trainer.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")
@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
         level = logging.INFO if accelerator.is_main_process else logging.WARNING
         logging.basicConfig(level=level, format="%(message)s")
+        memory_check.check(cfg, accelerator)  # before anything is built: a run that cannot fit stops in one line
         cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
         host = distributed.HostCollectives(accelerator)
         run_dir = prepare_run_dir(cfg)
@@ -182,6 +183,8 @@ def cli(argv: list[str] | None = None) -> int | str:
         trusted_resume.CheckpointError,
     ) as error:
         return f"error: {error}"
+    except memory_check.MemoryFitError as error:
+        return f"error: {error}" if str(error) else 1
     except preemption.Preempted as stop:
         print(f"preempted: {stop}", file=sys.stderr)
         return preemption.EXIT_STATUS

@@ -127,6 +127,9 @@ class TrainConfig:
     # regional torch.compile of every decoder layer and ViT block (modeling/compile.py; the first step compiles);
     # "auto" = on with CUDA, off on the CPU (trainer/defaults.py)
     compile: bool | Literal["auto"] = "auto"
+    # before the model is built, compare the memory estimate (trainer/memory_estimate.py) with the device's: true =
+    # stop in one line, with the overrides that fit, when it cannot fit; "warn" = log that line and go on; false = skip
+    memory_check: bool | Literal["warn"] = True
 
     def validate(self) -> None:
         if self.lr <= 0:
