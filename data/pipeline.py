@@ -12,6 +12,7 @@ had not seen yet.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import hashlib
 import json
@@ -120,6 +121,21 @@ def load_processor(model_cfg, data_cfg: DataConfig):
         return image_only_processor_class(model_type)(
             image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
         )
+
+
+def processor_for_export(processor, data_cfg: DataConfig):
+    """A copy of `processor` whose saved config carries the run's pixel bounds: the image processor's `size` (what
+    AutoProcessor, vLLM and SGLang resize by) set to data.min/max_pixels, and a video processor's (when the processor
+    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did."""
+    exported = copy.deepcopy(processor)
+    bounds = image_size_kwargs(exported.image_processor, data_cfg.min_pixels, data_cfg.max_pixels)
+    video_bounds = VideoSettings.from_config(data_cfg, processor.image_processor).size_kwargs
+    if bounds:
+        exported.image_processor.size = dict(bounds["size"])
+    video_processor = getattr(exported, "video_processor", None)
+    if video_processor is not None:
+        video_processor.size = dict(video_bounds["size"])
+    return exported
 
 
 # Config keys that describe how weights are stored or run, not how a sample is tokenised or positioned: train.py's

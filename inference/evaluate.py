@@ -91,7 +91,13 @@ def prediction_line(prompt: EvalPrompt, answer: str | None) -> dict:
     if prompt.row is None:
         return {**line, "skipped": prompt.skip_reason, "detail": f"{prompt.location}: {prompt.skip_detail}"}
     scores = scoring.score(answer, prompt.references)
-    return {**line, "prompt": prompt.prompt_text, "references": prompt.references, "prediction": answer, "scores": scores}
+    return {
+        **line,
+        "prompt": prompt.prompt_text,
+        "references": prompt.references,
+        "prediction": answer,
+        "scores": scores,
+    }
 
 
 def predict_batch(generator: Generator, builder: PromptBuilder, records, indices: list[int]) -> list[dict]:

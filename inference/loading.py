@@ -119,7 +119,7 @@ def resolve_checkpoint(run_dir: Path, checkpoint: str) -> Path | None:
     if checkpoint == "final":
         directory = run_dir / "final"
         if not directory.is_dir():
-            raise ConfigError(f"{run_dir} has no final/ export yet: pass --checkpoint latest or a checkpoint directory.")
+            raise ConfigError(f"{run_dir} has no final/ export yet: pass --checkpoint latest or a checkpoint dir.")
         return directory
     if checkpoint == "latest":
         directory = latest_checkpoint(run_dir)
@@ -167,7 +167,6 @@ def load_run(
     processor_dir = directory if directory is not None and (directory / "processor_config.json").is_file() else None
     if processor_dir is not None:
         from transformers import AutoProcessor
-
 
         processor = AutoProcessor.from_pretrained(processor_dir)
     else:

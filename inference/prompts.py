@@ -96,7 +96,7 @@ class PromptBuilder:
 
     def __init__(self, sample_processor: SampleProcessor, data_format: str, max_positions: int | None):
         if sample_processor.data_format != "messages":
-            raise ValueError("PromptBuilder's SampleProcessor processes canonical conversations: data_format='messages'")
+            raise ValueError("PromptBuilder's SampleProcessor takes canonical conversations: data_format='messages'")
         self.sample_processor = sample_processor
         self.data_format = data_format
         self.max_positions = max_positions
@@ -125,12 +125,23 @@ class PromptBuilder:
         reply = _reply_text(messages[last])
         if not reply:
             raise SampleError("empty_text", f"turn {last} (the reference) has no text")
-        kept = messages[: last + 1]
-        count = lambda kind: sum(item["type"] == kind for m in kept for item in m["content"])  # noqa: E731
-        canonical = {"messages": kept, "images": images[: count("image")], "videos": videos[: count("video")]}
         prompt.references = _references(record, reply)
         prompt.prompt_text = conversation_text(messages[:last])
-        row = self.sample_processor.process(canonical, prompt.sample_id)
+        prompt.row = self._prompt_row(messages[: last + 1], images, videos, prompt.sample_id)
+
+    def conversation(self, messages: list[dict], images: list[dict], videos: list[dict]) -> EvalPrompt:
+        """The prompt that asks for the next assistant turn of a canonical conversation (data/formats.py's form,
+        ending with a user turn), e.g. a chat; SampleError when an image or video cannot be used."""
+        placeholder = {"role": "assistant", "content": [{"type": "text", "text": "..."}]}
+        prompt = EvalPrompt(0, "chat", "chat", None, [], conversation_text(messages))
+        prompt.row = self._prompt_row([*messages, placeholder], images, videos, "chat")
+        return prompt
+
+    def _prompt_row(self, messages: list[dict], images: list[dict], videos: list[dict], sample_id: str) -> dict:
+        """The processed row of `messages` (ending with the assistant turn to generate) cut before that turn."""
+        counts = {kind: sum(i["type"] == kind for m in messages for i in m["content"]) for kind in ("image", "video")}
+        canonical = {"messages": messages, "images": images[: counts["image"]], "videos": videos[: counts["video"]]}
+        row = self.sample_processor.process(canonical, sample_id)
         start = prompt_start(row["labels"])
         if self.max_positions is not None and start >= self.max_positions:
             raise SampleError("too_long", f"{start} prompt tokens leave no room in the model's {self.max_positions}")
@@ -138,4 +149,4 @@ class PromptBuilder:
         row["labels"] = [IGNORE_INDEX] * start
         row["mrope_positions"] = [axis[:start] for axis in row["mrope_positions"]]
         row["length"] = start
-        prompt.row = row
+        return row

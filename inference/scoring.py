@@ -138,9 +138,7 @@ def summarize(rows: Iterable[Mapping]) -> dict:
         "skipped": dict(sorted(skipped.items())),
         "scores": _means(scored),
         "corpus_bleu": corpus_bleu(scored),
-        "by_category": {
-            name: {"records": len(group), **_means(group)} for name, group in sorted(by_category.items())
-        },
+        "by_category": {name: {"records": len(group), **_means(group)} for name, group in sorted(by_category.items())},
     }
 
 
@@ -160,4 +158,5 @@ def format_table(summary: Mapping, others: Mapping[str, Mapping] | None = None) 
             cells.append(f"{other_group['exact_match']:.3f}" if "exact_match" in other_group else "-")
         lines.append(cells)
     widths = [max(len(row[i]) for row in [header, *lines]) for i in range(len(header))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in [header, *lines])
+    rows = [header, *lines]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)) for row in rows)
