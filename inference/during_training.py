@@ -64,7 +64,7 @@ class GenerationEval:
             evaluate.collator_for(processor, hf_model.config, cfg_data),
             settings,
             max_positions=evaluate.context_length(hf_model.config),
-            autocast=accelerator.autocast(),
+            autocast=accelerator.autocast,
             synced=accelerator.num_processes > 1,
         )
 

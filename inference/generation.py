@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
@@ -57,7 +57,8 @@ def stop_token_ids(model_generation_eos, tokenizer) -> list[int]:
 
 class Generator:
     """`generate(prompts) -> answers` for one model: the batch inputs (module docstring), `model.generate` under
-    `autocast` (the training compute dtype, when the weights are fp32 masters), the new tokens decoded.
+    `autocast()` (a context manager factory: the training compute dtype when the weights are fp32 masters), the new
+    tokens decoded.
 
     `synced` keeps every process generating until the longest answer of any process ends (transformers'
     `synced_gpus`): needed when the ranks' forwards are collectives (FSDP2)."""
@@ -69,7 +70,7 @@ class Generator:
         collator: Collator,
         settings: GenerationSettings,
         max_positions: int | None = None,
-        autocast: contextlib.AbstractContextManager | None = None,
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         synced: bool = False,
     ):
         settings.validate()
@@ -142,7 +143,7 @@ class Generator:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.autocast or contextlib.nullcontext():
+            with self.autocast() if self.autocast is not None else contextlib.nullcontext():
                 output = self.model.generate(
                     **inputs,
                     **sampling,
