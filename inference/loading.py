@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 from core.config_tree import ConfigError
 from data.config import DataConfig
 from data.pipeline import load_processor
-from training import lora
 from training.checkpoint import COMPLETE, latest_checkpoint
 from training.config import Config, load_config
+from training.lora import ADAPTER_DIR, apply_lora
 from training.modeling import build_model
 
 log = logging.getLogger(__name__)
@@ -100,7 +100,7 @@ def _from_checkpoint(cfg: Config, directory: Path, dtype: torch.dtype) -> torch.
         )
     model = _base_model(cfg, torch.float32)
     if cfg.lora is not None:
-        lora.apply_lora(model, cfg.lora, torch.float32)
+        apply_lora(model, cfg.lora, torch.float32)
     state = {key.removeprefix(CHECKPOINT_PREFIX): value for key, value in load_file(weights).items()}
     model.load_state_dict(state, strict=True)
     return model.to(dtype)
@@ -140,8 +140,8 @@ def load_model(cfg: Config, directory: Path | None, dtype: torch.dtype) -> tuple
         return _from_adapter(cfg, directory, dtype), f"the run's base + the peft adapter {directory}"
     if (directory / "config.json").is_file():
         return _from_export(directory, dtype), f"the export {directory}"
-    if (directory / lora.ADAPTER_DIR / "adapter_config.json").is_file():
-        adapter = directory / lora.ADAPTER_DIR
+    if (directory / ADAPTER_DIR / "adapter_config.json").is_file():
+        adapter = directory / ADAPTER_DIR
         return _from_adapter(cfg, adapter, dtype), f"the run's base + the peft adapter {adapter}"
     if (directory / COMPLETE).is_file() or (directory / CHECKPOINT_MODEL_FILE).is_file():
         return _from_checkpoint(cfg, directory, dtype), f"the training checkpoint {directory}"

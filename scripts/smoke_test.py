@@ -7,6 +7,10 @@
    kernels would run in their interpreter, ~100x slower).
 3. Prints a summary (loss start → end, tokens/s, MFU, where the run, its export and its wandb files are) and fails
    unless the loss fell clearly.
+4. Proves the model sees: answers HELD_OUT held-out built-in questions with the untrained and the trained model
+   (scripts/generate.py) and prints exact match per question kind beside the answer prior (the most frequent training
+   answer to the same question: what a model that ignores the pixels can reach, inference/builtin_eval.py); fails
+   unless the trained model beats the prior by REQUIRED_MARGIN on the kinds that need the image, pooled.
 
 Extra arguments are passed to train.py as overrides, e.g. `make smoke-test ARGS="train.max_steps=100"`.
 """
@@ -35,6 +39,12 @@ CPU_OVERRIDES = [
     "checkpoint.every_steps=0",
 ]
 REQUIRED_LOSS_DROP = 0.5  # the end loss must be below this fraction of the start loss
+HELD_OUT = 120  # held-out built-in questions answered before and after training
+ANSWER_TOKENS = 16  # the longest built-in answer is 12 tokens with the tiny tokenizer
+# Exact-match points (0-1) by which the trained model must beat the answer prior on the image kinds, pooled; chosen
+# from measurements (docs/inference.md): far above the prior's own spread between seeds, far below what the run
+# reaches.
+REQUIRED_MARGIN = 0.15
 
 
 def missing_requirements() -> list[str]:
@@ -107,8 +117,34 @@ def main() -> int:
     if not end < REQUIRED_LOSS_DROP * start:
         print(f"[smoke] FAILED: the loss did not fall below {REQUIRED_LOSS_DROP:.0%} of its start.", flush=True)
         return 1
-    print("[smoke] OK", flush=True)
+    sees, verdict = held_out_check(run_dir)
+    if not sees:
+        print(f"[smoke] FAILED: the trained model does not beat the answer prior: {verdict}", flush=True)
+        return 1
+    print(f"[smoke] OK: the model sees ({verdict})", flush=True)
     return 0
+
+
+def held_out_check(run_dir: Path) -> tuple[bool, str]:
+    """Answer the held-out built-in questions with the untrained and the trained model, print exact match per kind
+    beside the answer prior's, and judge (inference/builtin_eval.py's `sees`)."""
+    from inference import builtin_eval, predictions
+    from inference.loading import read_run_config
+    from scripts import generate
+
+    out = run_dir / "predictions" / "smoke-held-out.jsonl"
+    args = ["--run", str(run_dir), "--data", "builtin", "--num-samples", str(HELD_OUT), "--out", str(out)]
+    args += ["--max-new-tokens", str(ANSWER_TOKENS), "--batch-size", "16", "--compare-init", "--overwrite"]
+    print(f"[smoke] held-out check: python -m scripts.generate {' '.join(args)}", flush=True)
+    if generate.main(args) != 0:
+        return False, "generation stopped"
+    cfg = read_run_config(run_dir)
+    prior = builtin_eval.AnswerPrior.fit(builtin_eval.training_records(cfg.data), cfg.data.format)
+    table = builtin_eval.kind_table(
+        predictions.read_predictions(out), prior, predictions.read_predictions(out.with_name(out.stem + ".init.jsonl"))
+    )
+    print("[smoke] held-out exact match per question kind\n" + builtin_eval.format_kind_table(table), flush=True)
+    return builtin_eval.sees(table, REQUIRED_MARGIN)
 
 
 if __name__ == "__main__":

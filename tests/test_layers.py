@@ -1,5 +1,6 @@
 """The package layers only point down (docs/architecture.md): core at the bottom, mrope_kernels and data on it,
-training on those, verification on training, scripts on top. Every import counts, module-level or inside a function."""
+training on those, verification and inference on training, scripts on top. Every import counts, module-level or inside
+a function. train.py hands the training loop its generation evaluation (inference/), so training never imports it."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FIRST_PARTY = {"core", "data", "mrope_kernels", "training", "verification", "scripts", "train"}
+FIRST_PARTY = {"core", "data", "mrope_kernels", "training", "verification", "inference", "scripts", "train"}
 # package -> the first-party packages its modules may import (itself included)
 ALLOWED = {
     "core": {"core"},
@@ -17,6 +18,7 @@ ALLOWED = {
     "data": {"core", "data"},
     "training": {"core", "data", "mrope_kernels", "training"},
     "verification": {"core", "data", "mrope_kernels", "training", "verification"},
+    "inference": {"core", "data", "mrope_kernels", "training", "inference"},
 }
 
 
@@ -75,3 +77,16 @@ def test_installed_repo_runs_scripts_by_path_too(tmp_path):
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert b"--config" in done.stdout
+
+
+def test_inference_uses_only_what_sits_below_the_trainer():
+    """inference/ builds models, adapters and checkpoints, never the training loop, step or setup: the trainer calls
+    it (train.generate_every), so it must stay below the trainer."""
+    below_trainer = {"training.config", "training.modeling", "training.lora", "training.checkpoint"}
+    wrong = {
+        f"{path.name} imports {name}"
+        for path in sorted((ROOT / "inference").glob("*.py"))
+        for name in imported_modules(path)
+        if name.split(".")[0] == "training" and name not in below_trainer
+    }
+    assert not wrong, sorted(wrong)
