@@ -46,7 +46,10 @@ TEXT_ONLY_SHARE = 0.15
 VIDEO_SHARE = 0.2  # default share of video samples (data.video_share)
 VIDEO_KINDS = ("direction", "direction_and_image")
 TEXT_KINDS = ("arithmetic", "spelling")  # text-only questions: the answer is in the question
-KINDS = (*IMAGE_KINDS, *VIDEO_KINDS, *TEXT_KINDS)  # every record's `category`
+# Image kinds outside the default mix (data.builtin_kinds selects them): "background" asks for the colour most of the
+# image shows, the first thing a vision path learns; the CPU smoke run proves with it that the model looks.
+EXTRA_IMAGE_KINDS = ("background",)
+KINDS = (*IMAGE_KINDS, *EXTRA_IMAGE_KINDS, *VIDEO_KINDS, *TEXT_KINDS)  # every record's `category`
 DIRECTIONS = {  # (start, end) of the centre in fractions of the frame
     "from left to right": ((0.2, 0.5), (0.8, 0.5)),
     "from right to left": ((0.8, 0.5), (0.2, 0.5)),
@@ -161,6 +164,11 @@ def _image_question(rng: random.Random, kind: str) -> SyntheticSample:
         question = f"Image 1: <image>\nImage 2: <image>\nWhat colour is the {shape} in each image?"
         answer = f"It is {first_color} in the first image and {second_color} in the second."
         return SyntheticSample([("human", question), ("gpt", answer)], [scene, second])
+    if kind == "background":
+        shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 3)
+        scene.shapes = _place_shapes(rng, scene.size, count, shape, color)
+        question = "<image>\nWhat colour is the background?"
+        return SyntheticSample([("human", question), ("gpt", f"The background is {scene.background}.")], [scene])
     if kind == "multi_turn":
         shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 6)
         scene.shapes = _place_shapes(rng, scene.size, count, shape, color)
@@ -171,7 +179,7 @@ def _image_question(rng: random.Random, kind: str) -> SyntheticSample:
             ("gpt", f"There {'is' if count == 1 else 'are'} {NUMBER_WORDS[count]}."),
         ]
         return SyntheticSample(turns, [scene])
-    raise ValueError(f"unknown synthetic sample kind {kind!r}; expected one of {IMAGE_KINDS}.")
+    raise ValueError(f"unknown synthetic sample kind {kind!r}; expected one of {IMAGE_KINDS + EXTRA_IMAGE_KINDS}.")
 
 
 def _text_only(rng: random.Random, kind: str | None = None) -> SyntheticSample:
