@@ -28,6 +28,7 @@ class GenerationSettings:
     """How answers are drawn: greedy by default; `do_sample` with temperature / top_p / top_k otherwise."""
 
     max_new_tokens: int = 64
+    min_new_tokens: int = 0  # > 0: no EOS before this many tokens (benchmarks time a fixed answer length)
     do_sample: bool = False
     temperature: float = 1.0
     top_p: float = 1.0
@@ -148,6 +149,7 @@ class Generator:
                     **inputs,
                     **sampling,
                     max_new_tokens=self.new_token_budget(rows),
+                    min_new_tokens=min(s.min_new_tokens, self.new_token_budget(rows)),
                     repetition_penalty=s.repetition_penalty,
                     eos_token_id=self.stop_ids,
                     pad_token_id=self.pad_id,
