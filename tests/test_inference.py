@@ -197,11 +197,14 @@ def run_train(recipe: str, out: Path, cache: Path, *overrides: str) -> dict:
 
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory) -> Path:
-    """A 2-step full fine-tune of the tiny model with the in-training generation eval every step, image bounds set
-    by the recipe (data.max_pixels), checkpoints and the export."""
+    """A 2-step full fine-tune of the tiny model with the in-training generation eval every step (wandb offline),
+    image bounds set by the recipe (data.max_pixels), checkpoints and the export."""
     root = tmp_path_factory.mktemp("full")
     overrides = ["train.generate_every=1", "train.generate_samples=3", "train.generate_max_new_tokens=4"]
-    run_train(TINY, root / "run", root / "cache", "data.max_pixels=40000", *overrides)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("WANDB_MODE", "offline")
+        mp.setenv("WANDB_SILENT", "true")
+        run_train(TINY, root / "run", root / "cache", "data.max_pixels=40000", "logging.report_to=wandb", *overrides)
     return root / "run"
 
 
@@ -282,13 +285,18 @@ def test_export_is_what_a_serving_engine_reads(full_run):
 
 def test_generation_eval_during_training_scores_held_out_answers(full_run):
     """train.generate_every=1 writes a record of held-out answer scores per step into metrics.jsonl (overall and per
-    category) and each step's answers into generations/."""
+    category), each step's answers into generations/ and a wandb Table of them per evaluation."""
     records = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
     generated = [r for r in records if "gen_exact_match" in r]
     assert [r["step"] for r in generated] == [1, 2]
     assert all(0.0 <= r["gen_anls"] <= 1.0 and any(k.startswith("gen_exact_match/") for k in r) for r in generated)
     lines = predictions.read_predictions(full_run / "generations" / "step_00000002.jsonl")
     assert len(lines) == 3 and all("prediction" in line for line in lines)
+    tables = sorted((full_run / "wandb").glob("offline-run-*/files/media/table/generations_*.table.json"))
+    assert len(tables) == 2  # one wandb Table per evaluation
+    table = json.loads(tables[-1].read_text())
+    assert table["columns"] == ["step", "id", "image", "question", "reference", "answer", "exact_match"]
+    assert len(table["data"]) == 3
 
 
 def test_pixel_override_that_differs_from_training_is_said(full_run, caplog):
