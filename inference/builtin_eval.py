@@ -11,9 +11,11 @@ beside the prior's; `sees` is the smoke test's verdict: on the kinds whose answe
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from data.config import DataConfig
 from data.formats import SampleError, normalize_record
@@ -22,6 +24,8 @@ from data.processing import parse_record
 from data.row_meta import is_eval_row
 from data.sources import open_records
 from data.synthetic import KINDS, TEXT_KINDS
+from inference.loading import read_run_config
+from inference.predictions import read_predictions
 from inference.prompts import conversation_text
 from inference.scoring import exact_match
 
@@ -121,6 +125,25 @@ def format_kind_table(table: Mapping[str, KindScores]) -> str:
         )
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
+
+
+def held_out_report(run_dir: Path, predictions_file: Path, margin: float) -> dict:
+    """The smoke test's check of a run from its held-out predictions (`predictions_file` and, beside it, the
+    untrained model's `<stem>.init.jsonl`): {"kinds": {kind: KindScores as a dict}, "margin_required", "sees",
+    "verdict"}; the table as text under "table"."""
+    cfg = read_run_config(run_dir)
+    prior = AnswerPrior.fit(training_records(cfg.data), cfg.data.format)
+    init_file = predictions_file.with_name(predictions_file.stem + ".init.jsonl")
+    untrained = read_predictions(init_file) if init_file.exists() else None
+    table = kind_table(read_predictions(predictions_file), prior, untrained)
+    passes, verdict = sees(table, margin)
+    return {
+        "kinds": {name: {**dataclasses.asdict(scores), "margin": scores.margin} for name, scores in table.items()},
+        "margin_required": margin,
+        "sees": passes,
+        "verdict": verdict,
+        "table": format_kind_table(table),
+    }
 
 
 def sees(table: Mapping[str, KindScores], margin: float) -> tuple[bool, str]:

@@ -132,9 +132,11 @@ def main() -> int:
 
 def held_out_check(run_dir: Path) -> tuple[bool, str]:
     """Answer the held-out built-in questions with the untrained and the trained model, print exact match per kind
-    beside the answer prior's, and judge (inference/builtin_eval.py's `sees`)."""
-    from inference import builtin_eval, predictions
-    from inference.loading import read_run_config
+    beside the answer prior's, write the table to `<run>/predictions/smoke-held-out.kinds.json` and judge
+    (inference/builtin_eval.py)."""
+    import json
+
+    from inference import builtin_eval
     from scripts import generate
 
     out = run_dir / "predictions" / "smoke-held-out.jsonl"
@@ -143,13 +145,10 @@ def held_out_check(run_dir: Path) -> tuple[bool, str]:
     print(f"[smoke] held-out check: python -m scripts.generate {' '.join(args)}", flush=True)
     if generate.main(args) != 0:
         return False, "generation stopped"
-    cfg = read_run_config(run_dir)
-    prior = builtin_eval.AnswerPrior.fit(builtin_eval.training_records(cfg.data), cfg.data.format)
-    table = builtin_eval.kind_table(
-        predictions.read_predictions(out), prior, predictions.read_predictions(out.with_name(out.stem + ".init.jsonl"))
-    )
-    print("[smoke] held-out exact match per question kind\n" + builtin_eval.format_kind_table(table), flush=True)
-    return builtin_eval.sees(table, REQUIRED_MARGIN)
+    report = builtin_eval.held_out_report(run_dir, out, REQUIRED_MARGIN)
+    out.with_name(out.stem + ".kinds.json").write_text(json.dumps(report, indent=2) + "\n")
+    print("[smoke] held-out exact match per question kind\n" + report["table"], flush=True)
+    return report["sees"], report["verdict"]
 
 
 if __name__ == "__main__":
