@@ -3,14 +3,14 @@
     python train.py --config recipes/smoke.yaml [dotted.key=value ...] [--resume]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train.py --config recipes/qwen2_5_vl-3b.yaml
 
-`--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (training/resume.py;
+`--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (lifecycle/resume.py;
 `--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
-One run holds a run directory at a time (training/run_lock.py). SIGTERM or SIGINT stops the run after the current
-step with a checkpoint and exit status 75 (training/preemption.py); docs/cluster.md shows a requeue script.
+One run holds a run directory at a time (lifecycle/run_lock.py). SIGTERM or SIGINT stops the run after the current
+step with a checkpoint and exit status 75 (lifecycle/preemption.py); docs/cluster.md shows a requeue script.
 
 Recipe → typed config → model (+ fused rope, packed forward, freezing, checkpointing) → data → optimizer
-(training/setup.py) → loop (training/loop.py; metrics in training/metrics.py) → export and summary. The run
-directory (`train.output_dir`, training/run_files.py) receives config.yaml, metrics.jsonl, summary.json,
+(trainer/setup.py) → loop (trainer/loop.py; metrics in trainer/metrics.py) → export and summary. The run
+directory (`train.output_dir`, lifecycle/run_files.py) receives config.yaml, metrics.jsonl, summary.json,
 checkpoints/, final/ and wandb/.
 """
 
@@ -22,25 +22,14 @@ import os
 import sys
 from pathlib import Path
 
+from core import distributed
+from core.config import load_config
 from core.config_tree import ConfigError
 from data.formats import DataError
 from inference.during_training import GenerationEval
-from training import (
-    checkpoint,
-    defaults,
-    distributed,
-    loop,
-    metrics,
-    optim,
-    preemption,
-    resume,
-    run_files,
-    run_lock,
-    stack_dump,
-    tracking,
-)
-from training.config import load_config
-from training.setup import build_accelerator, build_training
+from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump
+from trainer import defaults, loop, metrics, optim, tracking
+from trainer.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")
 
@@ -106,7 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def forced_exit(lock: run_lock.RunLock, run_dir: Path, signal_name: str | None, reason: str) -> None:
-    """Before the watcher ends the process (training/preemption.py): preempted.json and the lock's release, while the
+    """Before the watcher ends the process (lifecycle/preemption.py): preempted.json and the lock's release, while the
     directory is still this run's."""
     if lock.held:
         record_stop(run_dir, signal_name, None, reason)

@@ -1,6 +1,6 @@
 """Typed config trees from YAML recipes: loading, dotted overrides, strict keys, saving.
 
-Generic machinery only; the sections themselves live with the code that reads them (see `training/config.py`).
+Generic machinery only; the sections themselves live with the code that reads them (see `core/config.py`).
 YAML is data: every key must name a dataclass field, and an unknown key fails with the nearest valid key named.
 Fields typed `dict` are free-form (e.g. a Hugging Face model config) and accept any nested keys.
 """

@@ -28,7 +28,7 @@ class DataConfig:
     video_max_pixels: int | None = None  # default: the image bound, capped at 768 LLM tokens per frame
     num_proc: int | None = None  # processes for the first processing of the data; None: every core this process may use
     # processes collating batches (image decode + image processor) ahead of the step; 0 = inline; null = sized from
-    # the machine: min(8, cores per GPU process - 1) with CUDA, 0 on the CPU (training/defaults.py)
+    # the machine: min(8, cores per GPU process - 1) with CUDA, 0 on the CPU (trainer/defaults.py)
     num_workers: int | None = None
     streaming: bool = False  # iterate without loading everything in memory
     on_error: Literal["skip", "raise"] = "skip"  # bad samples: counted and logged, or an error naming the sample

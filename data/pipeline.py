@@ -329,7 +329,7 @@ class StepLoader:
 
 STEP_VISION = "step_vision"
 """Batch key: (any image, any video) over every rank's pack of the micro-step, as Python bools. Every rank plans
-the same steps, so each knows which vision calls the others make without a collective (training/step.py)."""
+the same steps, so each knows which vision calls the others make without a collective (trainer/step.py)."""
 
 
 def step_vision_kinds(step: list[Pack]) -> tuple[bool, bool]:
@@ -357,7 +357,7 @@ def worker_start_context() -> multiprocessing.context.BaseContext:
 def ignore_stop_signals(worker_id: int) -> None:
     """A loader worker ignores SIGTERM and SIGINT (torch's worker loop installs a SIGTERM handler that ends it):
     a scheduler signals every process of a job, and the training process then finishes its step, which may still
-    wait for this worker's batch, and saves (training/preemption.py). The worker ends with the training process
+    wait for this worker's batch, and saves (lifecycle/preemption.py). The worker ends with the training process
     anyway (data/worker_server.py)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -571,10 +571,10 @@ def build_data(
     """(train_loader, eval_loader, stats) for the recipe's `data` and `packing` sections.
 
     `rank` / `world_size` are data-parallel. `shard` (context parallelism, packed mode): applied to every
-    collated batch, e.g. this rank's share of the pack (training/context_parallel.py's `shard_pack`); every rank
+    collated batch, e.g. this rank's share of the pack (modeling/context_parallel.py's `shard_pack`); every rank
     of a context group passes the group's data-parallel rank, so all of them get the same packs. `plan`: applied
     to every collated batch next (after `shard`), in the loader workers, e.g. the vision tower's host plans
-    (training/vision_plan.py's `VisionPlanner.add_host_plans`), so the training step does not compute them.
+    (modeling/vision_plan.py's `VisionPlanner.add_host_plans`), so the training step does not compute them.
 
     train_loader: endless over epochs, reshuffled each epoch (seeded), yields this rank's batches (packed or
     padded, docs/architecture.md), each epoch a whole number of optimizer steps of `grad_accum_steps`

@@ -11,7 +11,7 @@ it forks any.
 - The server ignores SIGTERM and SIGINT, and so does every worker (`data.pipeline.ignore_stop_signals`, as torch's
   worker loop installs its own SIGTERM handler). Schedulers signal every process of a job (SLURM), and launchers
   signal each rank's whole process group (torch's elastic agent): the training process then finishes its step and
-  saves (training/preemption.py), which needs its loaders' workers alive; they end with it anyway.
+  saves (lifecycle/preemption.py), which needs its loaders' workers alive; they end with it anyway.
 - It imports the pipeline, so each worker starts with torch, transformers and datasets loaded and only unpickles its
   epoch.
 """

@@ -10,7 +10,7 @@
   `peft.PeftModel.from_pretrained`), or a training checkpoint (`checkpoints/step_*/`: the model built as training
   builds it, with the run's adapters under LoRA, and the checkpoint's tensors loaded strictly).
 
-The processor is the export's when there is one, else the run's (training/config's `model` and `data` sections).
+The processor is the export's when there is one, else the run's (core/config.py's `model` and `data` sections).
 The pixel and frame settings are the run's `data` section (config.yaml) unless overridden; an override that differs
 from training is said in one line, since answers degrade when inference resizes images differently.
 """
@@ -29,15 +29,15 @@ from safetensors.torch import load_file
 from core.config_tree import ConfigError
 from data.config import DataConfig
 from data.pipeline import load_processor
-from training.checkpoint import COMPLETE, latest_checkpoint
-from training.config import Config, load_config
-from training.lora import ADAPTER_DIR, apply_lora
-from training.modeling import build_model
+from lifecycle.checkpoint import COMPLETE, latest_checkpoint
+from core.config import Config, load_config
+from modeling.lora import ADAPTER_DIR, apply_lora
+from modeling.build import build_model
 
 log = logging.getLogger(__name__)
 PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")
 CHECKPOINT_MODEL_FILE = "model.safetensors"
-CHECKPOINT_PREFIX = "model."  # training/step.py's TrainModule holds the HF model as `.model`
+CHECKPOINT_PREFIX = "model."  # trainer/step.py's TrainModule holds the HF model as `.model`
 
 
 @dataclass

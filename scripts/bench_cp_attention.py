@@ -6,8 +6,8 @@ over the ranks, bf16, Qwen2.5-VL-3B text attention (16 query heads, 2 kv heads, 
 - one_gpu: the reference. Every rank runs causal SDPA (flash) on the whole sequence, alone (no collective): what one
   GPU does without context parallelism; its outputs and gradients are what the engines are compared against.
 - ours_allgather_kv: the repo's own path, called as the model calls it: `shard_pack` / `context_shard`
-  (training/context_parallel.py: zig-zag shards, the key-prefix index) and the registered attention function
-  `packed_attention_forward` with the `ContextShard` (training/packed.py: all-gather of k and v, reduce-scatter of
+  (modeling/context_parallel.py: zig-zag shards, the key-prefix index) and the registered attention function
+  `packed_attention_forward` with the `ContextShard` (modeling/packed.py: all-gather of k and v, reduce-scatter of
   dk and dv in backward, one varlen flash call; flash-attn's when installed, else torch's `varlen_attn`).
 - torch_cp_allgather / torch_cp_alltoall: torch's `torch.distributed.tensor.experimental.context_parallel` (ring
   attention over SDPA, `is_causal=True`, its head-tail load balancer, which is the same zig-zag layout), with
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from training import context_parallel, packed
+from modeling import context_parallel, packed
 from verification.provenance import provenance
 
 REFERENCE = "one_gpu"
@@ -99,7 +99,7 @@ def check_lengths(lengths: list[int], world_size: int) -> None:
 
 
 def local_index(length: int, rank: int, world_size: int) -> torch.Tensor:
-    """This rank's positions in the sequence, the repo's zig-zag (training/context_parallel.py: chunks r and
+    """This rank's positions in the sequence, the repo's zig-zag (modeling/context_parallel.py: chunks r and
     2·CP-1-r of 2·CP), which is torch's head-tail layout for one document."""
     _, per_rank = context_parallel.zigzag_indices([length], world_size)
     return torch.from_numpy(per_rank[rank])

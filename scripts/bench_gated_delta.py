@@ -4,11 +4,11 @@ Three measurements, one process, printed as tables and written as JSON to --out:
 
 1. Exactness of fla's varlen `chunk_gated_delta_rule` (bf16) against transformers' torch delta rule run per sample
    in fp32: relative error of o, dq, dk, dv, dg and dβ, beside the torch path's own bf16 error. The pack holds
-   --tokens tokens in samples of uneven lengths including 1, 63, 64 and 65 (training/gated_delta_check.py).
+   --tokens tokens in samples of uneven lengths including 1, 63, 64 and 65 (modeling/gated_delta_check.py).
 2. fla's first call (Triton compile and autotuning, or their on-disk cache: run the script twice with the same
    TRITON_CACHE_DIR to see both) and its warm time.
 3. One Gated DeltaNet layer of the recipe (default: recipes/bench-qwen3_5-shape.yaml, Qwen3.5's real widths),
-   forward+backward on the pack, bf16: the fla backend vs the torch backend (training/gated_delta.py), the layer's
+   forward+backward on the pack, bf16: the fla backend vs the torch backend (modeling/gated_delta.py), the layer's
    dense projections alone (the same matmuls under either backend; the layer's time beyond them is what a backend
    changes), and the delta rule alone (fla varlen vs transformers' torch rule per sample); medians of CUDA-event
    timings.
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
+from core.config import load_config
 from core.families import hf_config, model_class
-from training import gated_delta, gated_delta_check
-from training.config import load_config
-from training.gated_delta_check import GatedDeltaDims
-from training.packed import PACK_KWARG, PackedSeqlens
+from modeling import gated_delta, gated_delta_check
+from modeling.gated_delta_check import GatedDeltaDims
+from modeling.packed import PACK_KWARG, PackedSeqlens
 from verification.provenance import provenance
 
 EDGE_LENGTHS = (1, 63, 64, 65)

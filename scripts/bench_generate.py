@@ -25,8 +25,8 @@ from data.pipeline import load_processor
 from inference import evaluate
 from inference.generation import GenerationSettings, Generator
 from inference.loading import load_run
-from training.config import load_config
-from training.modeling import build_model
+from core.config import load_config
+from modeling.build import build_model
 from verification.provenance import provenance
 
 

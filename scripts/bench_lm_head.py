@@ -1,10 +1,10 @@
 """The loss over the labelled rows against the loss over every row: the training step's time both ways, in one
-process, on a recipe's own packs (the step time before and after training/loss.py multiplied only labelled rows).
+process, on a recipe's own packs (the step time before and after trainer/loss.py multiplied only labelled rows).
 
     python -m scripts.bench_lm_head --config recipes/bench-qwen2_5_vl-3b-shape.yaml [--steps 12] [--warmup 3]
         [--out artifacts/bench-lm-head/<recipe>.json] [dotted.key=value ...]
 
-The recipe's training is built as train.py builds it (training/setup.py: its `auto` settings resolved, compiled on
+The recipe's training is built as train.py builds it (trainer/setup.py: its `auto` settings resolved, compiled on
 a GPU). Each optimizer step's batches then run twice, one way after the other: with the batch's `label_rows` (what
 training does) and with every row of the pack (`step.labelled_rows` replaced within this process: each unlabelled
 row adds an exact 0 to the loss and gets a zero gradient, so both compute the same loss; only the lm_head's matmuls
@@ -13,7 +13,7 @@ pairs (compile, allocator) are left out. The same batch in both ways makes each 
 
 The JSON (`--out`): provenance, the recipe and overrides, the mean pack length and labelled share, and per way the
 step time (median, min, max) with the ratio of medians; the FLOP model's count for the lm_head both ways
-(training/metrics.py counts the labelled rows only).
+(trainer/metrics.py counts the labelled rows only).
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from accelerate.state import AcceleratorState
 
-from training import metrics, run_files, step
-from training.config import load_config
-from training.setup import build_accelerator, build_training
+from core.config import load_config
+from lifecycle import run_files
+from trainer import metrics, step
+from trainer.setup import build_accelerator, build_training
 from verification.provenance import provenance
 
 WAYS = ("labelled_rows", "every_row")

@@ -1,5 +1,5 @@
 r"""LoRA on one GPU against the same model's full fine-tune per GPU on N GPUs: tokens/s, MFU (the FLOP model's count
-of what runs: training/metrics.py) and peak memory.
+of what runs: trainer/metrics.py) and peak memory.
 
     python -m scripts.bench_lora --out docs/results/lora-h200-<date>.json [--models 7b,8b,9b] [--modes lora,full] \
         [--steps 25] [--warmup 10] [--full-gpus 2] [--launch-timeout 900] [dotted.key=value ...]
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from training.run_files import read_summary
+from lifecycle.run_files import read_summary
 from verification.launch import free_port, log_tail, run_logged
 from verification.provenance import provenance
 

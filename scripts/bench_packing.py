@@ -1,10 +1,10 @@
 """Throughput of packed varlen batches vs padded batches vs sdpa with a packed (block-diagonal) mask.
 
 Forward+backward of a mid-size Qwen2.5-VL-shaped model (4 decoder layers with Qwen2.5-VL-3B dims, a small ViT, bf16)
-through train.py's own training module (training.step.TrainModule: the model and its fused lm_head + cross-entropy)
+through train.py's own training module (trainer.step.TrainModule: the model and its fused lm_head + cross-entropy)
 on the same samples three ways:
 
-- packed-varlen: packs of `--max-tokens` (the data pipeline's best-fit-decreasing), training/packed.py attention;
+- packed-varlen: packs of `--max-tokens` (the data pipeline's best-fit-decreasing), modeling/packed.py attention;
 - padded-sdpa: `--padded-batch-size` consecutive samples right-padded to the longest, transformers' sdpa;
 - packed-sdpa-mask: the same packs with transformers' sdpa, which builds a (1,1,T,T) block-diagonal mask.
 
@@ -28,14 +28,14 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from core.config import ModelConfig, load_config
 from data.collate import label_rows
 from data.packing import PackItem, best_fit_decreasing
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
-from training.config import ModelConfig, load_config
-from training.modeling import build_model
-from training.packed import attention_implementation, enable_packed_forward
-from training.step import TrainModule
+from modeling.build import build_model
+from modeling.packed import attention_implementation, enable_packed_forward
+from trainer.step import TrainModule
 from verification.packing_check import (
     Sample,
     SampleSpec,

@@ -12,7 +12,7 @@ FSDP2 over two GPUs with fewer decoder layers, the largest of MOE_LAYERS whose r
 finishes is kept, and the JSON says so). `--recipes` keeps some of the stage's recipes, `--variants` runs only some
 variants now (the report still covers every finished run, and lists the others as pending). Two variants of
 scripts/compare_throughput.py, alternating A B A B over `--repeats` rounds:
-`shipped` (the recipe as it ships: its `auto` settings resolved, training/defaults.py) and `eager-fp32` (eager blocks,
+`shipped` (the recipe as it ships: its `auto` settings resolved, trainer/defaults.py) and `eager-fp32` (eager blocks,
 fp32 module weights under autocast, transformers' Conv3d patch embedding, 2 loader workers, the recipe's
 checkpointing). Every run trains `--steps` steps from the same seed on the same batches (the recipe's data with
 COMMON_OVERRIDES: fewer built-in samples to process at start-up, no eval, checkpoint or export); throughput is
@@ -26,7 +26,7 @@ pending). `--dry-run` prints the plan.
 
 The report (`--out`): provenance (verification/provenance.py: commit or source digest, GPU, library versions), the
 targets, and per recipe: launch, overrides, note; for each variant tokens/s per GPU (median, min, max over its runs),
-MFU (FLOPs counting the lm_head for labelled rows only: training/metrics.py), peak memory, GPU busy, step 1's wall
+MFU (FLOPs counting the lm_head for labelled rows only: trainer/metrics.py), peak memory, GPU busy, step 1's wall
 time and the part of it inductor spent compiling (first run of each variant); the speedup
 of shipped over eager-fp32 (ratio of medians, with the range the runs allow); step 1 of each variant's first run
 (loss, gradient norm) and the gaps against the numerics rule (STEP1_RULE); whether the targets are met; and the runs
@@ -44,11 +44,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from types import SimpleNamespace
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import recipe_model_config
+from lifecycle import run_files
 from scripts import compare_throughput as compare
-from training import run_files
-from training.config import load_config
 from verification.provenance import provenance
 
 ONE_GPU = "accelerate launch --config_file recipes/accelerate/single_gpu.yaml"
@@ -287,7 +287,7 @@ def report(benches: list[Bench], units: list[Unit], state: State, work: Path, ar
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all", help="which recipes (module docstring)")
-    parser.add_argument("--recipes", default=None, help="comma list of recipe names of the stage (default: all)")
+    parser.add_argument("--recipes", default=None, help="comma list of the stage's recipe names, run in this order")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} to run")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (compile, allocator)")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - {b.name for b in benches})
         if unknown:
             raise ConfigError(f"--recipes: {unknown} not in stage {args.stage}: {[b.name for b in benches]}.")
-        benches = [b for b in benches if b.name in names]
+        benches = [next(b for b in benches if b.name == name) for name in dict.fromkeys(names)]  # in --recipes order
     variants = tuple(args.variants.split(","))
     if not variants or not set(variants) <= set(VARIANTS):
         raise ConfigError(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}.")

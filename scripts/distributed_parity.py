@@ -7,7 +7,7 @@ resume/export.
         [--no-resume | --resume-all] [--repeat-single] [--repeat-fast] [--fast-override KEY=VALUE ...] \
         [dotted.key=value ...]
 
-For each recipe, separate launches of train.py (every one with NVLink multicast off, training/distributed.py):
+For each recipe, separate launches of train.py (every one with NVLink multicast off, core/distributed.py):
   single   one GPU, P accumulation micro-steps per optimizer step    python train.py
            (every layout runs REFERENCE_PATH, eager with fp32 module weights, unless the user's overrides change it)
   single-repeat   the same launch again (--repeat-single)
@@ -73,9 +73,9 @@ import sys
 import time
 from pathlib import Path
 
-from training import run_files
-from training.config import load_config
-from training.distributed import SAFE_COLLECTIVES_ENV
+from core.config import load_config
+from core.distributed import SAFE_COLLECTIVES_ENV
+from lifecycle import run_files
 from verification.launch import free_port, log_tail, run_logged
 from verification.provenance import provenance
 
@@ -86,7 +86,7 @@ DEFAULT_LAYOUTS = ("single", "ddp", "fsdp2")
 # The reference path every layout runs unless told otherwise (before the user's overrides, which may change it):
 # eager blocks, fp32 module weights under autocast, transformers' Conv3d patch embedding.
 REFERENCE_PATH = ["train.compile=false", "train.master_weights=module", "kernels.patch_embed=conv"]
-# The fast layout: the one-GPU path a recipe ships with (training/defaults.py), set explicitly; after the user's
+# The fast layout: the one-GPU path a recipe ships with (trainer/defaults.py), set explicitly; after the user's
 LAYOUT_OVERRIDES = {FAST: ["train.master_weights=optimizer", "train.compile=true", "kernels.patch_embed=matmul"]}
 REPEAT = "single-repeat"  # the single layout launched again (--repeat-single): the reference's own run-to-run noise
 FAST_REPEAT = f"{FAST}-repeat"  # the fast layout launched again (--repeat-fast): another draw of its gap

@@ -31,7 +31,7 @@ from inference import evaluate, scoring
 from inference.generation import GenerationSettings, Generator
 from inference.loading import PIXEL_KEYS, load_run
 from inference.predictions import PredictionsFileError
-from training.preemption import EXIT_STATUS
+from lifecycle.preemption import EXIT_STATUS
 
 log = logging.getLogger("generate")
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -19,7 +19,7 @@ STAGES=${*:-tests exact speed engines}
 RECIPE=${RECIPE:-recipes/bench-qwen2_5_vl-3b-shape.yaml}
 source scripts/gpu_common.sh
 # The eager fp32-module path on both sides: one GPU would otherwise resolve train.master_weights=auto to bf16 weights
-# and DDP to fp32 ones (training/defaults.py), and the comparison would measure that as well as context parallelism.
+# and DDP to fp32 ones (trainer/defaults.py), and the comparison would measure that as well as context parallelism.
 COMMON="logging.report_to=none logging.every_steps=1 logging.timing_warmup_steps=3 checkpoint.export=false"
 COMMON="$COMMON train.compile=false train.master_weights=module kernels.patch_embed=conv"
 ONE="env CUDA_VISIBLE_DEVICES=0 $PY train.py --config $RECIPE"

@@ -19,12 +19,12 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import ProcessedRows, build_data, load_processor
 from data.processing import IGNORE_INDEX
-from training.config import load_config
 
 
 def describe_sample(

@@ -104,9 +104,9 @@ class _ProcessedOnce(SampleProcessor):
 def prebuild(overrides: list[str]) -> None:
     """Write the processed cache of the recipe with `overrides` as build_data would, each distinct record processed
     once (one process: the rows of the distinct records are held in memory)."""
+    from core.config import load_config
     from core.families import hf_config
     from data import pipeline
-    from training.config import load_config
 
     cfg = load_config(RECIPE, [*overrides, "data.num_proc=1"])
     pipeline.SampleProcessor = _ProcessedOnce

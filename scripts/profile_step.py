@@ -4,7 +4,7 @@
         [--out DIR] [--top 25] [dotted.key=value ...]
     make profile CONFIG=recipes/... ARGS="--steps 3 kernels.mrope=unfused"
 
-The model, data, optimizer and steps are train.py's (training/setup.py's build_training, training/loop.py's
+The model, data, optimizer and steps are train.py's (trainer/setup.py's build_training, trainer/loop.py's
 Steps); `--warmup` optimizer steps run unprofiled (allocator growth, Triton autotuning), then `--steps`
 steps run under the profiler with the device synchronised only before the first and after the last. Writes into
 --out (default artifacts/profile/<recipe>-<rope>; its rank<i>/ per process under accelerate launch):
@@ -19,7 +19,7 @@ Categories come from kernel-name patterns (CATEGORIES below): a heuristic. The f
 unmatched names land in `other`, so categories always sum to the total. Known blind spots: transformers' unfused
 rope (rotate_half: neg/cat/mul/add) and its RMSNorm (pow/mean/rsqrt/mul) run as generic elementwise kernels that
 no name separates from other elementwise work; only our fused Triton rope kernels and fused norm kernels (the
-ViT's LayerNorm) are counted under `rope` and `norm`. The training loss (training/loss.py's fused lm_head +
+ViT's LayerNorm) are counted under `rope` and `norm`. The training loss (trainer/loss.py's fused lm_head +
 cross-entropy) runs as GEMMs, under `matmul`, and generic exp/max/sum kernels, under `elementwise`.
 """
 
@@ -38,11 +38,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from core.config import load_config
 from core.config_tree import ConfigError
-from training import loop
-from training.config import load_config
-from training.setup import build_accelerator, build_training
-from training.step import PHASE
+from trainer import loop
+from trainer.setup import build_accelerator, build_training
+from trainer.step import PHASE
 from verification.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -217,7 +217,7 @@ def idle_by_phase(
     events: list[DeviceEvent], phases: list[tuple[str, float, float]], window: tuple[float, float], steps: int
 ) -> list[dict]:
     """Where the GPU sat idle: every gap in the union of `events` inside `window` (the profiled steps), charged to
-    the step phase (training/step.py's PHASE annotations) that the host was in at the gap's midpoint, the innermost
+    the step phase (trainer/step.py's PHASE annotations) that the host was in at the gap's midpoint, the innermost
     one when they nest; gaps outside every phase are "between phases". The host's phase while the GPU waits is what
     held it up: a loader that is late (data_wait), Python that launches slower than the GPU runs, or the relaunch
     after a host sync. Returns [{phase, idle_ms_per_step, gaps_per_step}], most idle first."""

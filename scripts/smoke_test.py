@@ -98,8 +98,8 @@ def main() -> int:
         print(f"[smoke] FAILED: train.py exited with {result.returncode}", flush=True)
         return result.returncode
 
-    from training import run_files
-    from training.config import load_config
+    from core.config import load_config
+    from lifecycle import run_files
 
     run_dir = ROOT / load_config(str(ROOT / RECIPE), overrides).train.output_dir
     summary = run_files.read_summary(run_dir)

@@ -1,7 +1,7 @@
 """Check that a recipe's packed batches train exactly like their samples one by one.
 
 Builds the recipe's model (tiny or a checkpoint), takes a few packs from the recipe's data pipeline, and for each
-runs forward+backward packed (training/packed.py) and per sample (transformers' own path, positions from the model
+runs forward+backward packed (modeling/packed.py) and per sample (transformers' own path, positions from the model
 itself; the built-in data holds images and videos, data.video_share); prints the pack's video count and max |Δ|
 of logits, loss and the worst parameter gradient, with unfused and fused rope. Exits 1 when any quantity is
 beyond tolerance (relative to its own magnitude: fp32 summation noise, bf16/fp16 rounding).
@@ -25,11 +25,11 @@ import sys
 
 import torch
 
+from core.config import load_config
 from data.pipeline import build_data, load_processor
-from training.config import load_config
-from training.lora import apply_lora
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from modeling.build import build_model
+from modeling.lora import apply_lora
+from modeling.packed import enable_packed_forward
 from verification.packing_check import (
     RELATIVE_TOLERANCE,
     ROUNDING_FACTOR,

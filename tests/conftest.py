@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from training.config import load_config
-from training.modeling import build_model
+from core.config import load_config
+from modeling.build import build_model
 from verification.packing_check import synthetic_sample
 
 # The tensors of a synthetic sample moved to the test's device (pixels also to the model's dtype).
@@ -87,9 +87,9 @@ def tiny_samples() -> Callable[..., list]:
 
 @pytest.fixture
 def step_plans(monkeypatch) -> list[torch.Tensor]:
-    """The grids planned on the training step's host (training/vision_plan.py's `plan_kwargs`), recorded as they
+    """The grids planned on the training step's host (modeling/vision_plan.py's `plan_kwargs`), recorded as they
     are planned, in order."""
-    from training import vision_plan
+    from modeling import vision_plan
 
     planned: list[torch.Tensor] = []
     plan_kwargs = vision_plan.plan_kwargs

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 from core import config_tree
+from core.config import Config
+from modeling.build import build_model
+from modeling.lora import apply_lora
 from scripts.bench_lora import RECIPES, launch_command
 from tests.tiers import tiered
-from training.config import Config
-from training.lora import apply_lora
-from training.modeling import build_model
 
 # parameters of the released checkpoints (Qwen2.5-VL-7B-Instruct: 8.29B; Qwen3-VL-8B-Instruct: 8.77B; Qwen3.5-9B: a
 # 9B-class model), with room for rounding details

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lifecycle import run_files
 from scripts import bench_lm_head, bench_recipes
 from scripts import compare_throughput as compare
-from training import run_files, step
+from trainer import step
 
 ONE_GPU = [
     "qwen2_5_vl-3b",

@@ -1,5 +1,5 @@
-"""Running on shared clusters (docs/cluster.md): one trainer per run directory (training/run_lock.py), preemption by
-SIGTERM / SIGINT (training/preemption.py), and checkpoint or export writes that fail (training/checkpoint.py).
+"""Running on shared clusters (docs/cluster.md): one trainer per run directory (lifecycle/run_lock.py), preemption by
+SIGTERM / SIGINT (lifecycle/preemption.py), and checkpoint or export writes that fail (lifecycle/checkpoint.py).
 
 The runs are tests/test_train.py's 4-step runs of the tiny recipe (checkpoints at steps 2 and 4, the export); every
 interrupted run, once resumed, is compared with one uninterrupted run bit for bit: each step's loss, gradient norm
@@ -26,8 +26,9 @@ from accelerate.state import AcceleratorState
 from safetensors.torch import load_file
 
 import train
+from lifecycle import checkpoint, preemption, run_files, run_lock
 from tests.test_train import TINY, run_args
-from training import checkpoint, loop, preemption, run_files, run_lock
+from trainer import loop
 from verification.launch import free_port, run_logged
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,7 +85,7 @@ def wait_until(condition, timeout_s: float = 10.0) -> bool:
 def during_step(n: int, action: str) -> str:
     """Code for a child process: run `action` (Python) as optimizer step `n` of this launch starts."""
     return (
-        "from training import loop as _loop\n"
+        "from trainer import loop as _loop\n"
         "_step, _calls = _loop.optimizer_step, []\n"
         "def _patched(*args):\n"
         "    _calls.append(1)\n"
@@ -99,7 +100,7 @@ def child_command(out: Path, data_cache: Path, patch: str, *overrides: str) -> l
     """`python -c`: train.py's cli after `patch`, with the stack dump installed as train.py's __main__ does."""
     args = ["--config", TINY, *run_args(out, data_cache, *overrides)]
     code = "import os, signal, sys, time\n" + patch
-    code += f"import train\nfrom training import stack_dump\nstack_dump.install()\nsys.exit(train.cli({args!r}))\n"
+    code += f"import train\nfrom lifecycle import stack_dump\nstack_dump.install()\nsys.exit(train.cli({args!r}))\n"
     return [sys.executable, "-c", code]
 
 
@@ -140,7 +141,7 @@ def test_train_refuses_a_held_run_directory_with_one_line_before_writing(data_ca
 HOLD_THEN_DIE = """
 import os, sys
 from pathlib import Path
-from training.run_lock import RunLock
+from lifecycle.run_lock import RunLock
 RunLock(Path(sys.argv[1])).acquire()
 os.kill(os.getpid(), 9)
 """
@@ -364,7 +365,7 @@ AGREE = """
 import sys
 from types import SimpleNamespace
 import torch.distributed as dist
-from training.distributed import HostCollectives
+from core.distributed import HostCollectives
 rank, port = int(sys.argv[1]), sys.argv[2]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
 host = HostCollectives(SimpleNamespace(num_processes=2))
@@ -433,7 +434,7 @@ def test_sigterm_mid_run_saves_the_step_and_resume_equals_the_uninterrupted_run(
 def test_a_signal_before_the_first_step_stops_without_a_new_checkpoint(data_cache, tmp_path, monkeypatch):
     """SIGINT while the run is being set up (here: as the optimizer is built) stops it before its first step, with
     status 75 and nothing new to save."""
-    from training import setup
+    from trainer import setup
 
     original = setup.optim.build_optimizer
 
@@ -490,9 +491,9 @@ def test_loader_workers_and_their_server_outlive_a_stop_signal():
 
 
 FAILING_EVAL = (
-    "from training import loop as _loop\n"
+    "from trainer import loop as _loop\n"
     "def _evaluate(accelerator, module, loader, batches, start):\n"
-    "    for batch in loader:  # as training.step.evaluate: the error comes with the loader's iterator started\n"
+    "    for batch in loader:  # as trainer.step.evaluate: the error comes with the loader's iterator started\n"
     "        raise RuntimeError('CUDA out of memory (injected)')\n"
     "_loop.evaluate = _evaluate\n"
 )
@@ -561,7 +562,7 @@ def test_sigterm_to_the_launcher_stops_both_ranks_at_one_step_and_resume_is_exac
 
 SLOW_SAVE = """
 import accelerate
-from training import preemption
+from lifecycle import preemption
 preemption.REPEAT_WINDOW_S = 0.5
 _save_state = accelerate.Accelerator.save_state
 def _slow_save_state(self, output_dir=None, **kwargs):

@@ -1,4 +1,4 @@
-"""Regional torch.compile (training/compile.py): compiled blocks compute what eager blocks compute, the attention
+"""Regional torch.compile (modeling/compile.py): compiled blocks compute what eager blocks compute, the attention
 blocks trace as one graph each, and packs of new lengths and sample counts reuse the first pack's graphs.
 
 Backend aot_eager (dynamo + AOTAutograd, no inductor codegen): it checks tracing, dynamic shapes and the joint
@@ -24,14 +24,12 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._dynamo.utils import counters
 
 import train
+from core.config import load_config
 from data.processing import IGNORE_INDEX
-from mrope_kernels.patch import patch_model
-from tests.test_distributed import WORKER_EXIT
-from tests.tiers import tiered
-from training import compile as regional
-from training import gated_delta, packed, parts
-from training.config import load_config
-from training.eager_reductions import (
+from lifecycle.run_files import read_metrics
+from modeling import compile as regional
+from modeling import gated_delta, packed, parts
+from modeling.eager_reductions import (
     LAYER_NORM_OPS,
     ROW_OPS,
     decomposition_tables,
@@ -39,8 +37,10 @@ from training.eager_reductions import (
     overloads,
     reduces_rows_only,
 )
-from training.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
-from training.run_files import read_metrics
+from modeling.packed import PACK_KWARG, enable_packed_forward, packed_model_inputs
+from mrope_kernels.patch import patch_model
+from tests.test_distributed import WORKER_EXIT
+from tests.tiers import tiered
 from verification.launch import run_logged
 from verification.packing_check import SampleSpec, label_loss, pack_samples
 
@@ -432,7 +432,7 @@ def test_compile_reports_without_warning(tiny_model, caplog, family):
 
 def test_every_recipe_compiles_with_cuda_only():
     """train.compile is auto in the schema and in every recipe: the blocks compile on CUDA (the fast path as shipped)
-    and stay eager on the CPU (training/defaults.py)."""
+    and stay eager on the CPU (trainer/defaults.py)."""
     recipes = sorted((ROOT / "recipes").glob("*.yaml"))
     assert recipes
     assert {load_config(str(path)).train.compile for path in recipes} == {"auto"}
@@ -451,7 +451,7 @@ def test_training_run_compiles_and_logs_the_first_step_only_when_asked(tmp_path,
         options.append(kwargs)
         compiled.append(regional.compile_blocks(model, backend="aot_eager", **kwargs))
 
-    monkeypatch.setattr("training.setup.compile_blocks", compile_with_aot_eager)
+    monkeypatch.setattr("trainer.setup.compile_blocks", compile_with_aot_eager)
     args = [
         "--config",
         str(ROOT / "recipes/tiny-qwen2_5_vl.yaml"),
@@ -578,8 +578,8 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.testing import CompileCounterWithBackend
 from conftest import _build_tiny_model, _build_tiny_samples
 from test_compile import PACKS, compiled_graphs, loss_and_grads
-from training import compile as regional, parts
-from training.packed import enable_packed_forward
+from modeling import compile as regional, parts
+from modeling.packed import enable_packed_forward
 from verification.packing_check import pack_samples
 
 dist.init_process_group("gloo")

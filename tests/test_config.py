@@ -8,8 +8,8 @@ import re
 import pytest
 
 import train
+from core.config import load_config, save_config
 from core.config_tree import ConfigError
-from training.config import load_config, save_config
 
 SMOKE = "recipes/smoke.yaml"
 

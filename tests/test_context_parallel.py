@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from data.processing import IGNORE_INDEX
-from training import context_parallel, packed
-from training.config import load_config
-from training.context_parallel import layout, shard_pack, zigzag_indices
+from modeling import context_parallel, packed
+from modeling.context_parallel import layout, shard_pack, zigzag_indices
 
 PAD = 0
 MERGE = 2
@@ -284,7 +284,7 @@ def test_gated_delta_shard_equals_whole_pack_rows(monkeypatch, tiny_model, conte
     on the whole padded pack at the rank's tokens, and the ranks' parameter gradients, each from its own rows,
     sum to the whole pack's (fp32, torch path), within packing_check's fp32 summation-order tolerance: dt_bias's
     and A_log's gradients are near-cancelling sums whose per-rank parts exceed their total (~1e-5 relative here)."""
-    from training.gated_delta import gated_delta_layers
+    from modeling.gated_delta import gated_delta_layers
     from verification.packing_check import GRAD_SCALE_FLOOR, RELATIVE_TOLERANCE
 
     model = tiny_model("qwen3_5")
@@ -322,7 +322,7 @@ def test_gated_delta_shard_takes_fla_with_the_padded_packs_boundaries(monkeypatc
     """With the fla backend (CUDA, half precision), a shard's Gated DeltaNet call runs fla's varlen forward once, on
     the gathered whole padded pack with the padded samples' cu_seqlens and lengths, and keeps the rank's rows.
     (fla itself is stubbed by the identity: this checks what it is given.)"""
-    from training import gated_delta
+    from modeling import gated_delta
 
     model = tiny_model("qwen3_5", dtype="bfloat16")
     packed.enable_packed_forward(model, "torch")
@@ -358,7 +358,7 @@ def test_runs_saved_before_parallel_existed_resume_unchanged(tmp_path):
     import yaml
 
     from core import config_tree
-    from training import resume
+    from lifecycle import resume
 
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml")
     config_tree.save(cfg, tmp_path / "config.yaml")

@@ -40,11 +40,11 @@ sys.path.insert(0, {root!r})
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
-from training.config import load_config
-from training.modeling import build_model
-from training.packed import PACK_KWARG, enable_packed_forward
-from training.step import TrainModule, to_device
-from training import context_parallel
+from core.config import load_config
+from modeling.build import build_model
+from modeling.packed import PACK_KWARG, enable_packed_forward
+from trainer.step import TrainModule, to_device
+from modeling import context_parallel
 from verification.packing_check import GRAD_SCALE_FLOOR, SampleSpec, ieee_fp32, pack_samples, synthetic_sample
 
 CUDA = {cuda!r}
@@ -224,7 +224,7 @@ def test_context_parallel_equals_one_gpu_per_family_on_two_gpus(tmp_path, monkey
     flip between any two runs whose sums round differently, which is not a context-parallel effect."""
     import torch
 
-    from training.distributed import SAFE_COLLECTIVES_ENV
+    from core.distributed import SAFE_COLLECTIVES_ENV
     from verification.packing_check import ROUNDING_FACTOR
 
     if torch.cuda.device_count() < 2:
@@ -254,7 +254,7 @@ def test_training_with_context_parallel_matches_one_process(tmp_path, family, la
     context ranks also shard the model's states between them, with activation checkpointing on."""
     data, cache = write_mixed_dataset(tmp_path / "data"), tmp_path / "cache"
     # Some packs are text only: one process and both ranks send a dummy image through the tower there, so the
-    # vision parameters get zero gradients (which AdamW steps) in both runs alike (training/step.py).
+    # vision parameters get zero gradients (which AdamW steps) in both runs alike (trainer/step.py).
     common = ["packing.balance_window_steps=1", "checkpoint.export=false", "checkpoint.every_steps=0"]
     recipe = f"recipes/tiny-{family}.yaml"
     if layout == "fsdp2":

@@ -17,6 +17,7 @@ import torch
 from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
+from core.config import load_config
 from core.families import hf_config
 from core.special_tokens import EOS_ID
 from data.config import PackingConfig
@@ -25,9 +26,8 @@ from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX
 from data.synthetic import write_builtin_dataset
-from training import vision_plan
-from training.config import load_config
-from training.modeling import build_model
+from modeling import vision_plan
+from modeling.build import build_model
 from verification.packing_check import sample_position_ids, samples_from_batch
 
 

@@ -19,6 +19,7 @@ import pytest
 from datasets import Dataset, load_from_disk
 from filelock import FileLock
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.config import DataConfig, PackingConfig
@@ -36,7 +37,6 @@ from data.pipeline import (
 )
 from data.processing import PROCESSED_FEATURES
 from scripts.make_llava_records import write_llava_records
-from training.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -288,7 +288,7 @@ import resource, sys
 from core.families import hf_config
 from data.pipeline import build_data, load_processor
 from scripts.inspect_data import epoch_totals
-from training.config import load_config
+from core.config import load_config
 
 if __name__ == "__main__":
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", sys.argv[1:])

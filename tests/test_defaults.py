@@ -1,4 +1,4 @@
-"""training/defaults.py: a recipe's `auto` settings become the fast path on a CUDA machine (compile, bf16 compute
+"""trainer/defaults.py: a recipe's `auto` settings become the fast path on a CUDA machine (compile, bf16 compute
 weights on one GPU, loader workers sized from the cores) and stay light on the CPU; explicit settings are kept."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 from accelerate.utils import DistributedType
 
+from core.config import load_config
 from data.pipeline import default_loader_workers
-from training import defaults
-from training.config import load_config
+from trainer import defaults
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 

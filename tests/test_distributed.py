@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from training import run_files
+from lifecycle import run_files
 from verification.launch import free_port, run_logged
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
@@ -149,9 +149,9 @@ def runs(tmp_path_factory) -> dict[str, Path]:
 def test_every_step_gives_one_rank_a_text_only_pack(runs):
     """The setup the other tests rely on: on each step of two ranks, rank 0's pack has an image and rank 1's pack
     is text only (so the two-process run below really exercised the dummy-image path)."""
+    from core.config import load_config
     from core.families import hf_config
     from data.pipeline import build_data, load_processor
-    from training.config import load_config
 
     overrides = [*COMMON, f"data.path={runs['data']}", f"data.cache_dir={runs['cache']}"]
     cfg = load_config(str(ROOT / TINY), [*overrides, "packing.balance_window_steps=1"])
@@ -218,7 +218,7 @@ def test_fsdp_gradients_reduce_in_fp32_and_cpu_hosts_form_a_group(monkeypatch):
     DDP's buckets (no second fp32 copy of every gradient; the two-process runs above train with it)."""
     import torch
 
-    from training.distributed import accelerator_kwargs
+    from core.distributed import accelerator_kwargs
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     kwargs = accelerator_kwargs("bfloat16")
@@ -244,7 +244,7 @@ def test_fsdp_gradients_reduce_in_fp32_and_cpu_hosts_form_a_group(monkeypatch):
 
 def test_launch_without_a_process_group_is_refused(monkeypatch):
     """Two launched processes that formed no process group (each would train alone) are an error, not a run."""
-    from training.distributed import check_world_size
+    from core.distributed import check_world_size
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(RuntimeError, match="2 processes were launched"):
@@ -257,9 +257,9 @@ def test_launch_without_a_process_group_is_refused(monkeypatch):
 @pytest.mark.parametrize("processes", [1, 2])
 def test_a_run_ends_with_a_barrier_then_a_pause_for_gloo_then_the_teardown(monkeypatch, processes):
     """Several processes end together (barrier), then release the GIL long enough for gloo's worker threads to free
-    the barrier's work before the process group can be destroyed (training/distributed.py, GLOO_DRAIN_S), then tear
+    the barrier's work before the process group can be destroyed (core/distributed.py, GLOO_DRAIN_S), then tear
     down; one process tears down at once."""
-    from training import distributed
+    from core import distributed
 
     calls = []
 
@@ -281,7 +281,7 @@ def test_a_run_ends_with_a_barrier_then_a_pause_for_gloo_then_the_teardown(monke
 def test_accelerate_launch_cpu_with_several_processes_is_refused(monkeypatch):
     """`accelerate launch --cpu --num_processes 2` starts one process and no group: that is an error naming the
     command that starts two, not a silent one-process run; one process, or no accelerate parent, passes."""
-    from training.distributed import LaunchError, check_world_size
+    from core.distributed import LaunchError, check_world_size
 
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     for launcher in (
@@ -319,11 +319,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from data.pipeline import build_data, load_processor
-from training.step import TrainModule
-from training.config import load_config
+from trainer.step import TrainModule
+from core.config import load_config
 from core.families import hf_config
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from modeling.build import build_model
+from modeling.packed import enable_packed_forward
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()
@@ -429,12 +429,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from data.pipeline import build_data, load_processor
-from training.step import TrainModule
-from training.config import load_config
+from trainer.step import TrainModule
+from core.config import load_config
 from core.families import hf_config
-from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from modeling.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
+from modeling.build import build_model
+from modeling.packed import enable_packed_forward
 
 dist.init_process_group("gloo")
 rank = dist.get_rank()

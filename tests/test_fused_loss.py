@@ -1,4 +1,4 @@
-"""training/loss.py's fused lm_head + cross-entropy against the unfused F.linear + F.cross_entropy, alone and inside
+"""trainer/loss.py's fused lm_head + cross-entropy against the unfused F.linear + F.cross_entropy, alone and inside
 TrainModule on the tiny models."""
 
 import pytest
@@ -8,11 +8,11 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from data.collate import label_rows
+from modeling.loss_kernel import cross_entropy_grad_
+from modeling.packed import enable_packed_forward
 from tests.tiers import tiered
-from training import loss, step
-from training.loss import linear_cross_entropy
-from training.loss_kernel import cross_entropy_grad_
-from training.packed import enable_packed_forward
+from trainer import loss, step
+from trainer.loss import linear_cross_entropy
 from verification.packing_check import SampleSpec, pack_samples
 
 IGNORE_INDEX = -100
@@ -183,7 +183,7 @@ def test_bf16_autocast_within_the_unfused_rounding():
         assert (f.double() - t).abs().max() <= 2 * reference_error, name
 
 
-# ----- the softmax-gradient kernel (training/loss_kernel.py) and the CUDA path -----
+# ----- the softmax-gradient kernel (modeling/loss_kernel.py) and the CUDA path -----
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from training import gated_delta, gated_delta_check
-from training.config import load_config
-from training.gated_delta_check import GatedDeltaDims, check_delta_rule, torch_delta_rule_per_sample
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from core.config import load_config
+from modeling import gated_delta, gated_delta_check
+from modeling.build import build_model
+from modeling.gated_delta_check import GatedDeltaDims, check_delta_rule, torch_delta_rule_per_sample
+from modeling.packed import enable_packed_forward
 
 DIMS = GatedDeltaDims(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16)
 
@@ -148,7 +148,7 @@ def test_model_falls_back_and_logs_why(guarded_gpu, caplog):
     guarded_gpu["use"](recording)
     model = build_model(load_config("recipes/tiny-qwen3_5.yaml").model, attn_implementation="sdpa")
     layer = gated_delta.gated_delta_layers(model)[0]
-    with caplog.at_level(logging.INFO, logger="training.gated_delta"):
+    with caplog.at_level(logging.INFO, logger="modeling.gated_delta"):
         assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "torch"
     assert seen and seen[0] == (layer.num_k_heads, layer.num_v_heads, layer.head_k_dim, layer.head_v_dim)
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet:" in r.getMessage()]
@@ -160,7 +160,7 @@ def test_model_on_fla_logs_the_backend_and_its_first_run_cost(guarded_gpu, caplo
     (minutes on an empty Triton cache), so a first step that takes minutes does not look like a hang."""
     guarded_gpu["use"](torch_delta_rule_per_sample)
     model = build_model(load_config("recipes/tiny-qwen3_5.yaml").model, attn_implementation="sdpa")
-    with caplog.at_level(logging.INFO, logger="training.gated_delta"):
+    with caplog.at_level(logging.INFO, logger="modeling.gated_delta"):
         assert enable_packed_forward(model, "auto", compute_dtype=torch.bfloat16) == "fla"
     lines = [r.getMessage() for r in caplog.records if "Gated DeltaNet:" in r.getMessage()]
     assert len(lines) == 2 and "fla backend" in lines[0] and lines[1] == gated_delta.FLA_FIRST_RUN_NOTE

@@ -27,7 +27,7 @@ from inference import builtin_eval, predictions, scoring
 from inference.loading import data_settings, read_run_config
 from inference.prompts import EvalDataError, PromptBuilder
 from scripts import chat, generate
-from training.config import load_config
+from core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"

@@ -1,4 +1,4 @@
-"""LoRA (training/lora.py): which layers get adapters and what trains, the frozen base in the compute dtype, the
+"""LoRA (modeling/lora.py): which layers get adapters and what trains, the frozen base in the compute dtype, the
 adapted model's step-0 equality with its base, checkpoints of the trained tensors only, the merged and peft-format
 exports, and a CPU training run of recipes/lora-tiny.yaml (loss, checkpoint, export, exact resume)."""
 
@@ -21,13 +21,14 @@ from torch import nn
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
+from core.config import LoraConfig, load_config
 from core.config_tree import ConfigError
+from modeling import lora, parts
+from modeling.build import build_model
+from modeling.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
+from modeling.packed import enable_packed_forward, packed_model_inputs
 from tests.tiers import tiered
-from training import lora, metrics, parts
-from training.config import LoraConfig, load_config
-from training.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
-from training.modeling import build_model
-from training.packed import enable_packed_forward, packed_model_inputs
+from trainer import metrics
 from verification.packing_check import SampleSpec, pack_samples, randomize_adapters
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
@@ -369,9 +370,10 @@ def test_adapter_only_export(tmp_path):
     """lora.merge_on_export=false: the export holds final/adapter/ and the processor, no merged weights."""
     from accelerate import Accelerator
 
+    from core.distributed import HostCollectives
     from data.pipeline import load_processor
-    from training import checkpoint, step
-    from training.distributed import HostCollectives
+    from lifecycle import checkpoint
+    from trainer import step
 
     cfg = load_config(RECIPE, [f"data.cache_dir={tmp_path / 'cache'}", "lora.merge_on_export=false"])
     model = adapted_tiny_model_from(cfg)

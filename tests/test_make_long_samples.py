@@ -6,10 +6,10 @@ import itertools
 
 import pytest
 
+from core.config import load_config
 from data.pipeline import build_data, load_processor
+from modeling.build import build_model
 from scripts.make_long_samples import write_long_samples
-from training.config import load_config
-from training.modeling import build_model
 
 
 def test_long_samples_are_kept_one_per_pack_and_reproducible(tmp_path):

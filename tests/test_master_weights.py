@@ -1,5 +1,5 @@
 """`train.master_weights=optimizer` on CPU: the module computes on bf16 matmul weights, the optimizer steps their
-fp32 masters and the module's other, fp32 parameters (training/master_weights.py); which parameters are cast, numerics
+fp32 masters and the module's other, fp32 parameters (modeling/master_weights.py); which parameters are cast, numerics
 against the fp32-module mode (bit for bit on dense models), fp32 gradient accumulation, checkpoints that hold the
 masters, an exact resume, and the DDP / FSDP2 / float32 decisions."""
 
@@ -20,11 +20,13 @@ from torch import nn
 from transformers import AutoModelForImageTextToText
 
 import train
+from core.config import load_config
 from core.config_tree import ConfigError
+from lifecycle import checkpoint
+from modeling import master_weights
 from tests.tiers import tiered
-from training import checkpoint, loop, master_weights, optim
-from training.config import load_config
-from training.setup import build_accelerator, build_training
+from trainer import loop, optim
+from trainer.setup import build_accelerator, build_training
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 TINY_RECIPES = sorted(str(p) for p in Path("recipes").glob("tiny-*.yaml"))
@@ -146,7 +148,7 @@ def test_matmul_weights_are_bf16_and_the_optimizer_steps_masters_and_fp32_parame
         ):
             assert dtypes[name] == torch.bfloat16, name
         for name in (
-            "model.visual.patch_embed.proj.weight",  # frozen; its gradients add in fp32 (training/patch_embed.py)
+            "model.visual.patch_embed.proj.weight",  # frozen; its gradients add in fp32 (modeling/patch_embed.py)
             "model.visual.blocks.0.norm1.weight",  # frozen
             "model.visual.merger.ln_q.weight",
             "model.language_model.embed_tokens.weight",
@@ -197,7 +199,7 @@ def test_one_step_equals_the_fp32_module_mode_bit_for_bit(data_cache, recipe):
     The residual stream, the embeddings and the norms are fp32 in both modes, and every matmul gets the same bf16
     weight (autocast's cast of the fp32 weight in module mode; the master rounded by copy_to_module here), so the
     forward is the same arithmetic. In backward the bf16 weight gradient becomes fp32 by the same exact widening (the
-    cast's backward in module mode, the hook here). The lm_head stays fp32 for this: training/loss.py returns its
+    cast's backward in module mode, the hook here). The lm_head stays fp32 for this: trainer/loss.py returns its
     gradient in the weight's dtype, so a bf16 lm_head would get it rounded to bf16 (2.8e-3 relative here). Casting
     every parameter (the old rule) makes the residual stream bf16: the loss itself differs (~3e-5 relative).
     MoE models are left out: module mode multiplies the fp32 expert stacks in fp32 (F.grouped_mm is not cast by
@@ -229,11 +231,11 @@ def test_one_step_equals_the_fp32_module_mode_bit_for_bit(data_cache, recipe):
 
 def test_lora_base_in_bf16_and_masters_in_the_optimizer_step_as_the_fp32_module_bit_for_bit(data_cache, monkeypatch):
     """LoRA in bf16 (adapters on the language model, the merger trained fully): holding the frozen base in bf16, as
-    training/lora.py does, changes no bit of the first step against an fp32 base that autocast casts at every use (the
+    modeling/lora.py does, changes no bit of the first step against an fp32 base that autocast casts at every use (the
     same bf16 weights reach every matmul, the loss casts the lm_head itself): the loss, every gradient the optimizer
     sees, the gradient norm and every trained weight after AdamW; and train.master_weights=optimizer (bf16 adapters
     and merger with fp32 masters) steps the same bits as module mode."""
-    from training import lora
+    from modeling import lora
 
     cast_frozen_weights = lora.cast_frozen_weights
     results = {}
@@ -392,7 +394,7 @@ def test_which_runs_keep_masters_in_the_optimizer():
     assert master_weights.enabled(optimizer_mode, accelerator(DistributedType.NO, 1))
     module_mode = load_config(TINY, ["model.dtype=bfloat16", "train.master_weights=module"])
     assert not master_weights.enabled(module_mode, accelerator(DistributedType.NO, 1))
-    with pytest.raises(ValueError, match="unresolved"):  # auto is training/defaults.py's to decide
+    with pytest.raises(ValueError, match="unresolved"):  # auto is trainer/defaults.py's to decide
         master_weights.enabled(load_config(TINY, ["model.dtype=bfloat16"]), accelerator(DistributedType.NO, 1))
     fp32 = load_config(TINY, ["model.dtype=float32", "train.master_weights=optimizer"])
     assert not master_weights.enabled(fp32, accelerator(DistributedType.NO, 1))

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import sys
 
+from core.config import load_config
 from core.families import hf_config
 from data import pipeline, processing
 from scripts.inspect_data import epoch_totals
 from scripts.make_llava_records import write_llava_records
 from scripts.measure_data_scale import RECIPE, prebuild, repeated_records, run_measured
-from training.config import load_config
 
 
 def test_peak_memory_of_a_command_is_sampled(tmp_path):

@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import ARCHITECTURE_FIELDS, hf_config, recipe_model_config
 from core.special_tokens import IMAGE_TOKEN_ID, TINY_CONFIG_TOKEN_IDS, TINY_TEXT_CONFIG_TOKEN_IDS
-from training.config import load_config
-from training.modeling import build_model
+from modeling.build import build_model
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = "recipes/smoke.yaml"

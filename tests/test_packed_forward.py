@@ -1,4 +1,4 @@
-"""Packed (THD) forward == per-sample forward, for the six Qwen-VL families (training/packed.py, gated_delta.py)."""
+"""Packed (THD) forward == per-sample forward, for the six Qwen-VL families (modeling/packed.py, gated_delta.py)."""
 
 import inspect
 import itertools
@@ -8,9 +8,8 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from tests.tiers import tiered
-from training import gated_delta
-from training.packed import (
+from modeling import gated_delta
+from modeling.packed import (
     PACKED_ATTENTION,
     disable_packed_forward,
     enable_packed_forward,
@@ -19,6 +18,7 @@ from training.packed import (
     packed_model_inputs,
     varlen_dtype,
 )
+from tests.tiers import tiered
 from verification.packing_check import (
     RELATIVE_TOLERANCE,
     PackingReport,
@@ -426,7 +426,7 @@ class _LeakGradientAcrossSamples(torch.autograd.Function):
 
 def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scaling, causal):
     """A stand-in varlen kernel (q (T,H,D)): exact forward (per-segment SDPA), a backward that leaks across samples."""
-    import training.packed as packed
+    import modeling.packed as packed
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     out = packed._per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
@@ -438,7 +438,7 @@ def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(tiny_samples, tin
     backward alone (forward exact, so logits agree) must fail on the gradients: the packed run's error against its
     fp32 copy contains the leak and must not excuse it. Simulated on the CPU by routing bf16 through a leaky
     stand-in kernel."""
-    import training.packed as packed
+    import modeling.packed as packed
 
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
     monkeypatch.setattr("verification.packing_check.VARLEN_DEVICES", ("cpu",))
@@ -470,7 +470,7 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_m
     """As train.py runs it (fp32 weights, bf16 autocast), every packed attention call of a model with fp32 q/k
     norms goes to the one varlen kernel per layer, never to the per-sample SDPA fallback, and gives the logits of
     the per-segment SDPA path under the same autocast (within bf16 rounding)."""
-    import training.packed as packed
+    import modeling.packed as packed
 
     calls = {"varlen": 0, "per_segment": 0}
     varlen, per_segment = packed._varlen_kernel, packed._per_segment_sdpa
@@ -561,7 +561,7 @@ def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
 
 def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
     """The same CLI exits 1 and names the failing quantities when the packed attention leaks across samples."""
-    import training.packed as packed
+    import modeling.packed as packed
     from scripts import verify_packing
 
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]

@@ -1,4 +1,4 @@
-"""The ViT's patch embedding as a matrix product (training/patch_embed.py) against transformers' Conv3d, and its
+"""The ViT's patch embedding as a matrix product (modeling/patch_embed.py) against transformers' Conv3d, and its
 gradients under both train.master_weights modes."""
 
 import copy
@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from core.families import FAMILIES
-from training import master_weights
-from training.parts import inner_model
-from training.patch_embed import is_patchwise_conv, use_matmul_patch_embed
+from modeling import master_weights
+from modeling.parts import inner_model
+from modeling.patch_embed import is_patchwise_conv, use_matmul_patch_embed
 
 
 def _pixel_rows(embed: nn.Module, rows: int) -> torch.Tensor:
@@ -124,8 +124,8 @@ def test_training_setup_switches_the_patch_embedding_as_the_recipe_says(tmp_path
     """kernels.patch_embed=matmul (the default) reaches the model train.py builds; conv leaves transformers' own."""
     from accelerate.state import AcceleratorState
 
-    from training.config import load_config
-    from training.setup import build_accelerator, build_training
+    from core.config import load_config
+    from trainer.setup import build_accelerator, build_training
 
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=16", "data.eval_fraction=0", "kernels.mrope=unfused"]
     overrides += ["logging.report_to=none", "logging.progress_bar=false", f"train.output_dir={tmp_path / 'run'}"]

@@ -11,10 +11,11 @@ import torch
 from accelerate.commands.config.config_args import load_config_from_file
 from accelerate.utils import DistributedType
 
+from core.config import load_config
 from core.families import MODEL_TYPES
-from training import lora, metrics, parts
-from training.config import load_config
-from training.modeling import build_model
+from modeling import lora, parts
+from modeling.build import build_model
+from trainer import metrics
 
 RECIPES = sorted(Path("recipes").glob("*.yaml"))
 ACCELERATE = sorted(Path("recipes/accelerate").glob("*.yaml"))

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from training.packed import enable_packed_forward
+from modeling.packed import enable_packed_forward
 from verification.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample
 from verification.routing_pin import PinnedRouting, routers
 

@@ -1,4 +1,4 @@
-"""training/stack_dump.py: `kill -USR1` prints the stacks for the whole run, also after a C library has taken the
+"""lifecycle/stack_dump.py: `kill -USR1` prints the stacks for the whole run, also after a C library has taken the
 signal over. Triton's LLVM can at its first kernel compile in a process (a GPU run reaches it after train.py started);
 whether it does depends on the machine (Triton 3.9 did on one CPU machine, not on another), so the takeover itself is
 also made directly, through sigaction."""
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = """
 import os, signal, time
-from training import stack_dump
+from lifecycle import stack_dump
 
 def the_run_waits_here():
     time.sleep(3 * stack_dump.CHECK_EVERY_S)  # the watcher has put the dump back by now

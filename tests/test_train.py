@@ -23,14 +23,16 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
+from core.config import load_config
 from core.config_tree import ConfigError
 from data.collate import label_rows
 from data.pipeline import STEP_VISION
+from lifecycle import checkpoint
+from modeling import parts
+from modeling.build import build_model
+from modeling.packed import enable_packed_forward
 from tests.test_data_pipeline import forkserver_processes
-from training import checkpoint, loop, metrics, optim, parts, step, tracking
-from training.config import load_config
-from training.modeling import build_model
-from training.packed import enable_packed_forward
+from trainer import loop, metrics, optim, step, tracking
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 METRIC_KEYS = {
@@ -641,7 +643,7 @@ def test_changed_config_on_resume_is_refused_or_used_and_recorded(finished_run, 
 
 KILL_DURING = {
     # accelerate has written the model and optimizer of the final checkpoint, not yet its trainer state or marker
-    "checkpoint": "from training import checkpoint as target\n"
+    "checkpoint": "from lifecycle import checkpoint as target\n"
     "original = target.Checkpointer.save\n"
     "def patched(self, step, *args):\n"
     "    if step == 4:\n"

@@ -13,6 +13,7 @@ import transformers
 from PIL import Image, ImageDraw
 from transformers.video_utils import VideoMetadata
 
+from core.config import load_config
 from core.families import hf_config
 from data.formats import SampleError, normalize_record
 from data.pipeline import build_data, load_processor
@@ -24,7 +25,6 @@ from data.video import (
     second_per_grid,
     video_patches,
 )
-from training.config import load_config
 
 VIDEO_ID = 6  # the tiny processor's <|video_pad|>
 

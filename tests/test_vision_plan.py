@@ -1,4 +1,4 @@
-"""Vision plans (training/vision_plan.py): the tower's grid metadata computed on the host equals what transformers
+"""Vision plans (modeling/vision_plan.py): the tower's grid metadata computed on the host equals what transformers
 derives from the grid, is what the tower uses, changes no loss or gradient, and leaves unplanned calls alone."""
 
 import pickle
@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch import nn
 
-from training import parts, step, vision_plan
-from training.packed import enable_packed_forward, packed_model_inputs
+from modeling import parts, vision_plan
+from modeling.packed import enable_packed_forward, packed_model_inputs
+from trainer import step
 from verification.packing_check import SampleSpec, pack_samples
 
 FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")

@@ -1,5 +1,5 @@
-"""The harness that checks and measures the trainer from outside, kept apart from the code that trains (training/
-never imports this).
+"""The harness that checks and measures the trainer from outside, kept apart from the code that trains (modeling/,
+lifecycle/ and trainer/ never import this).
 
 `packing_check`: packed vs per-sample forward+backward on the same samples (scripts/verify_packing.py, the tests).
 `routing_pin`: MoE top-k choices recorded per sample and replayed in the packed run, for that comparison.

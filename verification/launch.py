@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
-from training.distributed import SAFE_COLLECTIVES_ENV
+from core.distributed import SAFE_COLLECTIVES_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -122,7 +122,7 @@ def run_logged(
     new_session: bool = False,
 ) -> Outcome:
     """Run `command` from the repository root with stdout and stderr in `log_path` and the collectives' safe
-    settings (training/distributed.py) in its environment; kill it and every process under it after `timeout` s,
+    settings (core/distributed.py) in its environment; kill it and every process under it after `timeout` s,
     or `teardown_grace_s` after `done_file` appeared (its work is done then) if it never exits, each after asking
     for its stacks (`dump_stacks_then_kill`)."""
     start = time.perf_counter()

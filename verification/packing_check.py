@@ -2,7 +2,7 @@
 
 The reference runs each sample alone through transformers' own path (sdpa, positions computed by the model itself,
 original Gated DeltaNet); the packed run concatenates the samples into one row with per-sample positions from
-`get_rope_index` and goes through training/packed.py. Both use the same loss, the sum of per-token cross entropy
+`get_rope_index` and goes through modeling/packed.py. Both use the same loss, the sum of per-token cross entropy
 over label tokens divided by the total label count of all samples, so the per-sample losses and gradients summed
 over samples are directly comparable with the packed ones.
 
@@ -11,7 +11,7 @@ Low precision (bf16/fp16): an fp32 copy of the model runs both sides again, spli
 The middle term is what packing itself changes on the code paths the fp32 copy takes: it is judged at the fp32
 tolerance, however large the rounding. The outer terms are each run's own rounding, and a gradient may differ by a
 multiple of them (`Difference.failed`): the per-sample run's always; the packed run's only where the low-precision
-pack takes the same kernels as its fp32 copy (off `training.packed.VARLEN_DEVICES`). On CUDA the low-precision pack
+pack takes the same kernels as its fp32 copy (off `modeling.packed.VARLEN_DEVICES`). On CUDA the low-precision pack
 takes the varlen kernel and the fp32 copy per-segment SDPA, so there the packed run's error against its copy could
 hide a leak in the varlen kernel's backward and is not used; logits and loss are judged against the per-sample run's
 rounding only everywhere. Why the packed run's rounding matters on the CPU: a kernel that accumulates a parameter
@@ -44,7 +44,7 @@ from data.collate import label_rows
 from data.positions import takes_second_per_grid_ts
 from data.processing import IGNORE_INDEX
 from data.video import uses_timestamps
-from training.packed import VARLEN_DEVICES, attention_implementation, packed_model_inputs
+from modeling.packed import VARLEN_DEVICES, attention_implementation, packed_model_inputs
 from verification.routing_pin import PinnedRouting
 
 GRAD_SCALE_FLOOR = 1e-3
@@ -301,7 +301,7 @@ def compare_packed_to_per_sample(
 
     `batch` is the packed batch of these samples (e.g. from the data pipeline, so its positions are checked too);
     by default `pack_samples` builds it. `model` must have packed forward enabled
-    (training.packed.enable_packed_forward). Its gradients are cleared before each run and left holding the
+    (modeling.packed.enable_packed_forward). Its gradients are cleared before each run and left holding the
     packed run's. All tensors are on the model's device. MoE routing of the packed run is pinned to the per-sample
     run's choices (module docstring). A bf16/fp16 model is also run as an fp32 copy (module docstring). fp32 work
     runs in IEEE fp32 whatever the process's TF32 settings (`ieee_fp32`).
@@ -383,7 +383,7 @@ def _per_sample_run(model: torch.nn.Module, samples: list[Sample], num_labels: i
 
 
 def _packed_run(model: torch.nn.Module, batch: dict, num_labels: int, routing: PinnedRouting):
-    """The pack through training/packed.py, routing pinned to the recorded per-sample choices: (_Run, RoutingFlips)."""
+    """The pack through modeling/packed.py, routing pinned to the recorded per-sample choices: (_Run, RoutingFlips)."""
     model.zero_grad(set_to_none=True)
     with routing.replaying(model) as flips:
         logits = model(**packed_model_inputs(model, batch), use_cache=False).logits
@@ -424,9 +424,9 @@ def _add_fp32_copy(report, model, samples, batch, num_labels, runs: tuple[_Run, 
 
 
 def randomize_adapters(model: torch.nn.Module, seed: int = 0, scale: float = 0.1) -> None:
-    """Draw every LoRA adapter's B (training/lora.py) from N(0, scale²): peft initialises B to zero, so at step 0 the
+    """Draw every LoRA adapter's B (modeling/lora.py) from N(0, scale²): peft initialises B to zero, so at step 0 the
     adapters add nothing and a packed vs per-sample comparison would pass through them vacuously."""
-    from training.lora import ADAPTER, lora_layers
+    from modeling.lora import ADAPTER, lora_layers
 
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():

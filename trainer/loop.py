@@ -1,6 +1,6 @@
-"""The training loop: optimizer steps `start_step + 1 … train.max_steps` (training/step.py), with metrics
-(training/metrics.py's MetricsLogger), evaluation and checkpoints on the way; a non-finite loss stops the run
-before anything is saved; a stop request (training/preemption.py) ends it after the current step with a checkpoint.
+"""The training loop: optimizer steps `start_step + 1 … train.max_steps` (trainer/step.py), with metrics
+(trainer/metrics.py's MetricsLogger), evaluation and checkpoints on the way; a non-finite loss stops the run
+before anything is saved; a stop request (lifecycle/preemption.py) ends it after the current step with a checkpoint.
 
     train.py / scripts/profile_step.py ─► Steps (prefetched batches → step.optimizer_step) ─► MetricsLogger
 """
@@ -17,13 +17,13 @@ import torch
 from accelerate import Accelerator
 from torch.profiler import record_function
 
+from core.config import Config, TrainConfig
 from data.prefetch import Prefetcher
-from training import metrics
-from training.checkpoint import Checkpointer, latest_checkpoint
-from training.config import Config, TrainConfig
-from training.preemption import Preempted
-from training.setup import TrainingSetup
-from training.step import PHASE, evaluate, optimizer_step
+from lifecycle.checkpoint import Checkpointer, latest_checkpoint
+from lifecycle.preemption import Preempted
+from trainer import metrics
+from trainer.setup import TrainingSetup
+from trainer.step import PHASE, evaluate, optimizer_step
 
 
 class NonFiniteError(RuntimeError):

@@ -1,7 +1,7 @@
 """Preemption: SIGTERM or SIGINT (how SLURM, Kubernetes and spot instances stop a job; Ctrl-C) ends the run at the
 next optimizer-step boundary with a complete checkpoint, and the exit status EXIT_STATUS.
 
-    signal ─► handler sets this rank's flag ─► training/loop.py after each step: the ranks agree (one host-side
+    signal ─► handler sets this rank's flag ─► trainer/loop.py after each step: the ranks agree (one host-side
     all-reduce) ─► log, evaluate if due, checkpoint ─► Preempted ─► train.py: preempted.json, exit status 75
 
 A watcher thread reads the signals through Python's wakeup fd, so it sees them at once even while the main thread
@@ -10,7 +10,7 @@ stop has not ended the process within `checkpoint.preempt_timeout_s` of the firs
 comes (REPEAT_WINDOW_S or more after the first: schedulers signal every process of a job and launchers forward the
 signal again, so copies that close together are one request), it ends the process at once with the same status.
 The latest complete checkpoint is intact either way: a checkpoint is complete only once its marker is written, last
-(training/checkpoint.py).
+(lifecycle/checkpoint.py).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class SignalWatch:
 
     @property
     def requested(self) -> bool:
-        """Whether SIGTERM or SIGINT came to this process (no collective: training/loop.py agrees across ranks)."""
+        """Whether SIGTERM or SIGINT came to this process (no collective: trainer/loop.py agrees across ranks)."""
         return self._requested.is_set()
 
     def on_forced_exit(self, hook: Callable[[str], None]) -> None:

@@ -12,7 +12,7 @@ A write that fails (a full disk or quota, an I/O error: torch.save and safetenso
 SafetensorError, not OSError) removes what it wrote, leaves every complete checkpoint as it was, and raises
 WriteError on every rank: one line naming the path, the error, the bytes needed and the bytes free there.
 
-With LoRA a checkpoint's model state is the adapters and fully trained parts only (training/lora.py), and the export
+With LoRA a checkpoint's model state is the adapters and fully trained parts only (modeling/lora.py), and the export
 adds `final/adapter/` in peft's format; `final/` holds the merged model unless `lora.merge_on_export` is false.
 """
 
@@ -30,11 +30,11 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 
-from training import lora
+from core.config import CheckpointConfig, LoraConfig
+from core.distributed import HostCollectives
 from data.config import DataConfig
 from data.pipeline import processor_for_export
-from training.config import CheckpointConfig, LoraConfig
-from training.distributed import HostCollectives
+from modeling import lora
 
 log = logging.getLogger(__name__)
 STEP_DIR = re.compile(r"^step_(\d+)$")

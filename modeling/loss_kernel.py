@@ -2,9 +2,9 @@
 
 For a block of logits (n, V) in the matmul dtype and labels (n,), one program per row streams the row twice: an
 online max and sum of exponentials in fp32, then softmax - onehot(label) over the same storage, in the logits'
-dtype; a row whose label is ignored gets a zero gradient and loss 0. This is the arithmetic of training/loss.py's
+dtype; a row whose label is ignored gets a zero gradient and loss 0. This is the arithmetic of trainer/loss.py's
 torch path (softmax of the rounded logits in fp32, the gradient rounded back once), in two reads and one write of
-the logits instead of that path's fp32 copy and seven passes over it. training/loss.py calls it on CUDA tensors; the
+the logits instead of that path's fp32 copy and seven passes over it. trainer/loss.py calls it on CUDA tensors; the
 tests run it under Triton's interpreter.
 """
 

@@ -22,7 +22,7 @@ plans go to the device with its other tensors (`to_device`).
 A call whose grid has no plan is left untouched (transformers derives everything itself): per-sample references,
 verification/packing_check.py and any model call outside `TrainModule.forward`.
 
-The host grids travel in the batch as tuples of ints under `HOST_GRIDS` (set by training/step.py `to_device`),
+The host grids travel in the batch as tuples of ints under `HOST_GRIDS` (set by trainer/step.py `to_device`),
 not as tensors: DDP and FSDP2 move every tensor of a root module's inputs to the device.
 """
 
@@ -159,7 +159,7 @@ def plan_kwargs(visual: nn.Module, grid_thw: torch.Tensor, device: torch.device 
 
 
 def host_plans_to(plans: dict, device: torch.device | str) -> dict:
-    """A batch's `HOST_PLANS` with their tensors on `device`, copied without blocking (training/step.py
+    """A batch's `HOST_PLANS` with their tensors on `device`, copied without blocking (trainer/step.py
     `to_device`, with the batch's other tensors: under DDP or FSDP2, which move every tensor of a root module's
     inputs, nothing is left for them to copy)."""
     return {key: {**plan, "kwargs": _on_device(plan["kwargs"], device)} for key, plan in plans.items()}

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import psutil
 
-from training.run_files import LOCK_FILE
+from lifecycle.run_files import LOCK_FILE
 
 log = logging.getLogger(__name__)
 HEARTBEAT_S = 15.0  # how often the holder refreshes the lock file's modification time
@@ -212,7 +212,7 @@ class RunLock:
 @contextlib.contextmanager
 def hold(run_dir: Path, is_main_process: bool, host):
     """Hold `run_dir`'s lock (main process) for the `with` block; every rank raises the same RunLockError when
-    another run holds it. `host`: training.distributed.HostCollectives, which tells the other ranks the outcome.
+    another run holds it. `host`: core.distributed.HostCollectives, which tells the other ranks the outcome.
     Yields the lock (None on other ranks)."""
     lock, refusal = None, None
     if is_main_process:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from core.config import ModelConfig
 from core.families import hf_config, model_class
-from training.config import ModelConfig
 
 
 def build_model(model_cfg: ModelConfig, attn_implementation: str = "sdpa", seed: int = 0) -> torch.nn.Module:

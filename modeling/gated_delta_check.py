@@ -2,7 +2,7 @@
 
 Why: fla 0.6.0 refuses its gated backward on Hopper with Triton >= 3.4 and < 3.7.1 (fla issue 640: a Triton codegen bug
 that gives relative errors near 0.5). Whether the bug hits depends on the GPU, the Triton and fla versions and the head
-dims, so `training.gated_delta` lets fla train there only after this check passes on the machine itself, for the model's
+dims, so `modeling.gated_delta` lets fla train there only after this check passes on the machine itself, for the model's
 own Gated DeltaNet dims and the training dtype. The result is stored per (GPU, versions, dims, dtype), so the check (and
 fla's compile and autotuning it triggers) is paid once per machine and software stack.
 
@@ -12,7 +12,7 @@ rule run per sample in fp32. The tolerance of each quantity is derived from the 
 same dtype (the torch rule fed the dtype's inputs), so a kernel passes when it is as exact as the path it replaces,
 up to a small factor, and fails by orders of magnitude on the reported bug.
 
-Run `python -m training.gated_delta_check` on a GPU to print the check for Qwen3.5's dims without training.
+Run `python -m modeling.gated_delta_check` on a GPU to print the check for Qwen3.5's dims without training.
 """
 
 from __future__ import annotations

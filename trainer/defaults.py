@@ -1,12 +1,12 @@
 """The recipe's `auto` settings made concrete for this launch, so a recipe as shipped runs the fast path on a GPU
 and stays light on a CPU:
 
-    train.compile         auto → true with CUDA (regional compile, training/compile.py), false on the CPU, where
+    train.compile         auto → true with CUDA (regional compile, modeling/compile.py), false on the CPU, where
                           inductor's compile of every block costs more than a CPU run's steps gain
-    train.master_weights  auto → optimizer (bf16 compute weights, fp32 masters in AdamW: training/master_weights.py)
+    train.master_weights  auto → optimizer (bf16 compute weights, fp32 masters in AdamW: modeling/master_weights.py)
                           for one CUDA process computing in bfloat16; module elsewhere: under FSDP2, whose mixed
                           precision already computes on bf16 parameters with fp32 masters and an fp32 reduce
-                          (training/distributed.py); under DDP, which would reduce bf16 gradients in bf16; on the CPU;
+                          (core/distributed.py); under DDP, which would reduce bf16 gradients in bf16; on the CPU;
                           and in float32 or float16
     data.num_workers      null → with CUDA, min(8, CPU cores per local process - 1), at least 1; on the CPU 0 (batches
                           collate in the prefetch thread: the cores are busy with the step itself); the rule is
@@ -14,7 +14,7 @@ and stays light on a CPU:
 
 `resolve` returns the config with those values and logs each one it chose, e.g. `train.compile=auto -> true (CUDA)`;
 train.py resolves before it writes the run's config.yaml, so the run directory records what ran, and a resume on a
-machine that resolves differently shows the difference (training/resume.py).
+machine that resolves differently shows the difference (lifecycle/resume.py).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import logging
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
+from core.config import Config
 from data.pipeline import cpu_cores, default_loader_workers, local_processes
-from training.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ key changes nothing. Under DDP it is refused: DDP would all-reduce the bf16 grad
 Bytes of state per trainable cast parameter: 2 (bf16 weight) + 4 (master) + 4 (master gradient) + 8 (AdamW moments) =
 18, against 16 in "module" mode plus the 2 of autocast's bf16 copy of each weight, held from its first use in the
 forward to the end of the backward. Per trainable fp32 parameter: 4 + 4 (gradient) + 8 (AdamW moments) = 16, as in
-module mode (the lm_head's bf16 copy is made by the loss, training/loss.py, and dropped at the end of its forward, as
+module mode (the lm_head's bf16 copy is made by the loss, trainer/loss.py, and dropped at the end of its forward, as
 in module mode). Per frozen parameter: 2 instead of 4 (+2) when cast, else 4.
 """
 
@@ -46,8 +46,8 @@ from accelerate import Accelerator
 from accelerate.utils import DistributedType
 from torch import nn
 
+from core.config import Config
 from core.config_tree import ConfigError
-from training.config import Config
 
 log = logging.getLogger(__name__)
 STATE_NAME = "custom_checkpoint_0.pkl"  # accelerate's file for the first object registered for checkpointing
@@ -57,9 +57,9 @@ def enabled(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether this run keeps its masters in the optimizer: `train.master_weights == "optimizer"` on one process
     with a 16-bit `model.dtype`. A no-op, said in the log, for float32 (the weights are the masters) and under
     FSDP2 (it already does this); a ConfigError under DDP (multi-process without FSDP). `auto` must be resolved
-    first (training/defaults.py)."""
+    first (trainer/defaults.py)."""
     if cfg.train.master_weights == "auto":
-        raise ValueError("train.master_weights=auto is unresolved: training.defaults.resolve(cfg, accelerator) first.")
+        raise ValueError("train.master_weights=auto is unresolved: trainer.defaults.resolve(cfg, accelerator) first.")
     if cfg.train.master_weights == "module":
         return False
     if cfg.model.dtype == "float32":
@@ -68,7 +68,7 @@ def enabled(cfg: Config, accelerator: Accelerator) -> bool:
     if accelerator.distributed_type == DistributedType.FSDP:
         log.info(
             "train.master_weights=optimizer: no effect under FSDP2, which already computes on %s parameters and "
-            "keeps fp32 masters (recipes/accelerate/fsdp2.yaml, training/distributed.py)",
+            "keeps fp32 masters (recipes/accelerate/fsdp2.yaml, core/distributed.py)",
             cfg.model.dtype,
         )
         return False
@@ -108,12 +108,12 @@ def cast_param_ids(model: nn.Module) -> set[int]:
     """The ids of `model`'s parameters that `computes_in_matmul` casts to the compute dtype.
 
     The input embeddings (every nn.Embedding) and the output embedding (lm_head, an nn.Linear) stay fp32, by tensor
-    identity (tied or not). The lm_head is never called as a Linear: training/loss.py's linear_cross_entropy casts it
+    identity (tied or not). The lm_head is never called as a Linear: trainer/loss.py's linear_cross_entropy casts it
     to the matmul dtype itself, as autocast would, and returns its gradient, accumulated in fp32 over the chunks, in
     the weight's dtype; a bf16 lm_head would get that gradient rounded to bf16 (and scaled by 1/label count in bf16)
     before it reached its master, while an fp32 one gets module mode's gradient exactly. The ViT's patch embedding
     (`model.model.visual.patch_embed`) stays fp32 too: called once for a pack's images and once for its videos, its
-    gradients then add in fp32 as in module mode (training/patch_embed.py), where a bf16 weight would add them in bf16.
+    gradients then add in fp32 as in module mode (modeling/patch_embed.py), where a bf16 weight would add them in bf16.
     """
     kept_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     output_embeddings = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-from training import parts
-from training.config import TrainConfig
+from core.config import TrainConfig
+from modeling import parts
 
 
 def part_learning_rates(train_cfg: TrainConfig) -> dict[str, float]:

@@ -1,8 +1,8 @@
 """The run directory's files, written and read here only: metrics.jsonl, summary.json, config.yaml and
-preempted.json (run.lock is training/run_lock.py's).
+preempted.json (run.lock is lifecycle/run_lock.py's).
 
     <train.output_dir>/
-      config.yaml      the resolved recipe of the first launch (training/resume.py adds config.resume-step<N>.yaml)
+      config.yaml      the resolved recipe of the first launch (lifecycle/resume.py adds config.resume-step<N>.yaml)
       metrics.jsonl    one JSON object per line: a training interval {"loss", "grad_norm", rates…, "step", "lr"}
                        or an evaluation {"step", "eval_loss"}, or with train.compile the launch's first step
                        {"step", "first_step_s", "compile_s"}; strict JSON (non-finite floats are null)

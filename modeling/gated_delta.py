@@ -15,7 +15,7 @@ without flash-linear-attention), so each layer's forward is wrapped here, with o
   pack's host-side lengths: no sync.
   Cost: at most 2x the pack's tokens through the layer (64 at least per sample), a few batched calls per layer.
 
-Under context parallelism (the pack keyword is a training.context_parallel.ContextShard: this rank's zig-zag
+Under context parallelism (the pack keyword is a modeling.context_parallel.ContextShard: this rank's zig-zag
 chunks of the pack) the layer all-gathers its input over the context group, runs the forward above on the whole
 padded pack with its padded documents' boundaries, and keeps this rank's rows (`_context_parallel_forward`).
 
@@ -24,7 +24,7 @@ whenever fla imports), so the layer's original forward (padded batches, fp32 cal
 
 Choosing ("auto"): fla needs a CUDA device. On Hopper with 3.4 <= Triton < 3.7.1, fla 0.6.0 refuses its gated
 backward (fla issue 640, a Triton miscompile; with tilelang installed fla takes tilelang's kernel instead). There
-fla trains only after `training.gated_delta_check` has compared it, on this GPU, with transformers' torch delta rule
+fla trains only after `modeling.gated_delta_check` has compared it, on this GPU, with transformers' torch delta rule
 for the model's own head dims and dtype; the refusal is lifted only then. The check's verdict is cached on disk, so
 it and fla's compile are paid once per machine. Otherwise, or when the check fails, the torch path runs. One log
 line says which backend runs and why. fp32 runs take the torch path: fla computes fp32 matmuls in TF32.
@@ -45,8 +45,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-from training import context_parallel, gated_delta_check
-from training.gated_delta_check import GatedDeltaDims
+from modeling import context_parallel, gated_delta_check
+from modeling.gated_delta_check import GatedDeltaDims
 
 log = logging.getLogger(__name__)
 
@@ -286,8 +286,8 @@ def packed_gated_delta_forward(
 ) -> torch.Tensor:
     """Gated DeltaNet forward that restarts conv and recurrent state at every sample of a pack.
 
-    hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a training.packed.PackedSeqlens) → (1, T, hidden); with a
-    training.context_parallel.ContextShard instead, this rank's (1, T_local, hidden) → (1, T_local, hidden), computed
+    hidden_states (1, T, hidden) with kwargs[pack_kwarg] (a modeling.packed.PackedSeqlens) → (1, T, hidden); with a
+    modeling.context_parallel.ContextShard instead, this rank's (1, T_local, hidden) → (1, T_local, hidden), computed
     on the whole padded pack (`_context_parallel_forward`).
     Without a pack, the fla backend runs one unpadded sequence (batch 1, no mask, no cache) through the same fla
     kernels as a pack of one sample, so per-sample and packed training differ only in their boundaries (transformers'

@@ -19,26 +19,17 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, set_seed
 
+from core import distributed
+from core.config import Config
 from data.pipeline import StepLoader, build_data, load_processor
+from modeling import context_parallel, lora, master_weights, parts, vision_plan
+from modeling.build import build_model
+from modeling.compile import compile_blocks
+from modeling.packed import PACK_KWARG, enable_packed_forward
+from modeling.patch_embed import use_matmul_patch_embed
 from mrope_kernels.ops import runs_triton
 from mrope_kernels.patch import apply_rope_choice
-from training import (
-    context_parallel,
-    defaults,
-    distributed,
-    lora,
-    master_weights,
-    metrics,
-    optim,
-    parts,
-    step,
-    vision_plan,
-)
-from training.compile import compile_blocks
-from training.config import Config
-from training.modeling import build_model
-from training.packed import PACK_KWARG, enable_packed_forward
-from training.patch_embed import use_matmul_patch_embed
+from trainer import defaults, metrics, optim, step
 
 log = logging.getLogger(__name__)
 
@@ -83,16 +74,16 @@ def vision_alignment(accelerator: Accelerator) -> step.VisionAlignment:
 
 def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     """Seed, model, data, optimizer and schedule for `cfg`, in the order that makes a run reproducible; its `auto`
-    settings are resolved for this launch first (training/defaults.py).
+    settings are resolved for this launch first (trainer/defaults.py).
 
     The model is built in fp32 and gets the recipe's rope kernels, the packed forward, part freezing (or, with `lora`,
-    adapters on a frozen base held in `model.dtype`: training/lora.py) and gradient checkpointing before the
+    adapters on a frozen base held in `model.dtype`: modeling/lora.py) and gradient checkpointing before the
     optimizer sees its parameters. Its fp32 weights are the masters (autocast computes in
     `model.dtype`), or with `train.master_weights=optimizer` its matmul weights are cast to `model.dtype` and the
-    optimizer steps fp32 copies of them beside its other, fp32 parameters (training/master_weights.py). With
-    `train.compile` its blocks are then compiled in place (training/compile.py), before accelerate wraps them. With
+    optimizer steps fp32 copies of them beside its other, fp32 parameters (modeling/master_weights.py). With
+    `train.compile` its blocks are then compiled in place (modeling/compile.py), before accelerate wraps them. With
     `parallel.context` = CP > 1, the loaders deal packs by data-parallel rank (rank // CP) and shard each pack over
-    the CP ranks of a context group (training/context_parallel.py).
+    the CP ranks of a context group (modeling/context_parallel.py).
     """
     cfg = defaults.resolve(cfg, accelerator)
     keep_masters_in_optimizer = master_weights.enabled(cfg, accelerator)

@@ -14,7 +14,7 @@ from pathlib import Path
 from accelerate import Accelerator
 
 from core import config_tree
-from training.config import Config
+from core.config import Config
 
 log = logging.getLogger(__name__)
 

@@ -9,11 +9,11 @@ patch and the packed forward (they replace transformers' functions and attention
 layers) and before gradient checkpointing, compile, the optimizer and accelerate.
 
 What trains: the adapters, plus the parts named in `lora.trainable`, fully (plain requires_grad, so the parts and
-their learning rates (training/optim.py) and FSDP2's units are the usual ones; peft's `modules_to_save` would train
+their learning rates (trainer/optim.py) and FSDP2's units are the usual ones; peft's `modules_to_save` would train
 a copy of each such module beside the frozen original). Everything else is frozen. The input embeddings' output
 takes a gradient all the same (`_output_requires_grad`: FSDP2's ranks must reach the first decoder layer alike).
 
-Memory: the frozen matmul weights (those autocast would cast at every use, training/master_weights.py's
+Memory: the frozen matmul weights (those autocast would cast at every use, modeling/master_weights.py's
 `cast_param_ids`, and an untied frozen lm_head, which the loss casts) are held in `model.dtype`: 2 bytes per base
 parameter in bf16 instead of 4 plus autocast's copy. Their products are unchanged: autocast rounds an fp32 weight to
 those same bf16 values at every use. Embeddings, norms and gates stay fp32, as in a full fine-tune, so the residual
@@ -46,9 +46,9 @@ from peft.tuners.lora import LoraLayer
 from safetensors.torch import save_file
 from torch import nn
 
-from training import parts
-from training.config import LoraConfig
-from training.master_weights import cast_param_ids
+from core.config import LoraConfig
+from modeling import parts
+from modeling.master_weights import cast_param_ids
 
 log = logging.getLogger(__name__)
 ADAPTER = "default"  # peft's name for a model's single adapter

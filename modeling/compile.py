@@ -9,7 +9,7 @@ no hand-written kernel is needed.
 Dynamic shapes: a pack's token count, sample count and longest sample change every step, so blocks compile with
 `dynamic=True` (sizes that meet a parameter's, like the hidden width, specialize to it; the token axis, the
 number of boundaries and `max_seqlen` stay symbolic), and the packed attention reads no host-side sample length
-while compiling (training/packed.py). Packs of any shape then reuse the first graph.
+while compiling (modeling/packed.py). Packs of any shape then reuse the first graph.
 
 What is compiled, and with `fullgraph=True` (a graph break is an error, not a silent slowdown):
 - every decoder layer of the language model: attention, the fused rope custom op (`mrope_kernels::rope`), the
@@ -28,7 +28,7 @@ Full-attention layers take the pack unboxed and read only its `cu_seqlens` and `
 embeddings, patch embedding, mergers (deepstack's included), rotary modules, the final norm and the LM head.
 
 Numerics: inductor rounds fused intermediates to bf16 where eager stores bf16 (`emulate_precision_casts`), and the
-norms' row reductions run on aten's kernels (training/eager_reductions.py), so a compiled block's forward and input
+norms' row reductions run on aten's kernels (modeling/eager_reductions.py), so a compiled block's forward and input
 gradients add in eager's order; matmul dimensions that are not a multiple of 8 are padded (`force_shape_pad`), so
 cuBLAS runs its Hopper kernels instead of an sm80 fallback for 4-byte alignment (Qwen2.5-VL's ViT MLPs are 3420
 wide). docs/numerics.md says how the compiled curve is checked against eager's; docs/performance.md what each
@@ -61,10 +61,10 @@ import torch._inductor.config
 from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
-from training import gated_delta
-from training.eager_reductions import lower_norm_reductions
-from training.packed import PACK_KWARG
-from training.parts import inner_model
+from modeling import gated_delta
+from modeling.eager_reductions import lower_norm_reductions
+from modeling.packed import PACK_KWARG
+from modeling.parts import inner_model
 
 log = logging.getLogger(__name__)
 

@@ -9,22 +9,22 @@ Mechanism (the same on transformers 5.17 and 5.23):
   per-layer derivation and no device sync. The name `packed_seqlens` collides with nothing transformers reads,
   unlike the top-level `cu_seq_lens_*` keywords 5.17 leaks into the vision encoder.
 - Vision attention. The tower takes its per-image (and, for Qwen2.5-VL, per-window) boundaries from the host-side
-  plan of training/vision_plan.py (TrainModule), or else derives them from `image_grid_thw` once per forward. Our
+  plan of modeling/vision_plan.py (TrainModule), or else derives them from `image_grid_thw` once per forward. Our
   implementation name contains "flash", so each vision block makes one call with them (`cu_seq_lens_q`,
   `max_length_q`) instead of one call per image; the attention function uses those and ignores the text pack.
 - Mask. The registered mask function is sdpa's, and a forward pre-hook drops row 0 (text positions) of packed
   `position_ids`: transformers then sees no packing to detect (no O(T²) mask, no sync) and the mask is None. The
   hook sits on the base model (`model.model`), which receives the keywords unchanged both from the full model and
-  from training/step.py, which calls it directly for the hidden states (its loss applies the lm_head itself).
+  from trainer/step.py, which calls it directly for the hidden states (its loss applies the lm_head itself).
   Without the hook (packing not enabled) row 0 stays, so a plain sdpa model still masks the pack correctly.
 - Padded batches (no `packed_seqlens`) go through transformers' own sdpa with its padding mask: one model serves
   the packed run and the padded baseline.
-- Qwen3.5 Gated DeltaNet layers: see training/gated_delta.py.
+- Qwen3.5 Gated DeltaNet layers: see modeling/gated_delta.py.
 
 Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
 function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
 otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths. Inside a torch.compile trace
-(training/compile.py) the host-side lengths are never read, so a graph fits packs of any shape: the varlen call
+(modeling/compile.py) the host-side lengths are never read, so a graph fits packs of any shape: the varlen call
 takes `cu_seqlens` and a symbolic `max_seqlen`, and the CPU / fp32 path becomes one SDPA call under a
 block-diagonal mask built from `cu_seqlens` on the device.
 """
@@ -44,7 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from training import context_parallel, gated_delta
+from modeling import context_parallel, gated_delta
 
 logger = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ def _masked_sdpa(
     from `cu_seqlens`. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D).
 
     The traced stand-in for `_per_segment_sdpa`: its graph depends on no host-side length, so packs of other
-    lengths and sample counts reuse it (torch.compile, training/compile.py). O(T²) mask: a CPU / fp32 path only.
+    lengths and sample counts reuse it (torch.compile, modeling/compile.py). O(T²) mask: a CPU / fp32 path only.
     """
     tokens = torch.arange(query.shape[2], device=query.device)
     # Boundaries at or before each token: the sample index + 1. No slice of cu_seqlens, whose size would then
@@ -235,7 +235,7 @@ def _context_parallel_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, shard: context_parallel.ContextShard, scaling: float
 ) -> torch.Tensor:
     """Causal attention of this context rank's query chunks against their documents' key prefixes (all-gather-KV,
-    training/context_parallel.py). q (1,H,T_local,D), k/v (1,Hkv,T_local,D) → (T_local,H,D).
+    modeling/context_parallel.py). q (1,H,T_local,D), k/v (1,Hkv,T_local,D) → (T_local,H,D).
 
     k and v are all-gathered over the context group (one collective when they share a dtype; on the varlen path in
     the half dtype the kernel computes in, which halves the traffic) and each chunk's key prefix is picked out with
@@ -359,7 +359,7 @@ def enable_packed_forward(
 
     gated_delta_backend: "auto" (fla's varlen kernels where they can train, else the torch path), "torch" or "fla";
     compute_dtype: the dtype the model computes in under autocast (default its parameters'), for fla's self-check
-    (training/gated_delta.py).
+    (modeling/gated_delta.py).
     Returns the Gated DeltaNet backend in use ("torch" / "fla"), None for models without such layers.
     Raises ValueError if already enabled or when the requested Gated DeltaNet backend cannot train here (with the
     reason and what to install), so a run fails before its first step instead of mixing samples.
@@ -439,7 +439,7 @@ def packed_model_inputs(model: torch.nn.Module, batch: dict) -> dict:
     each other) or when the batch's boundaries disagree with its shapes.
     """
     if not is_packed_forward_enabled(model):
-        raise ValueError("call training.packed.enable_packed_forward(model) before feeding it packed batches.")
+        raise ValueError("call modeling.packed.enable_packed_forward(model) before feeding it packed batches.")
     if context_parallel.is_sharded(batch):
         return _context_parallel_inputs(model, batch)
     input_ids = batch["input_ids"]
@@ -468,7 +468,7 @@ def _context_parallel_inputs(model: torch.nn.Module, batch: dict) -> dict:
     group). Raises ValueError when the model has no context group (enable_context_parallel)."""
     group = context_parallel.context_group(model)
     if group is None:
-        raise ValueError("a context-parallel batch needs training.context_parallel.enable_context_parallel(model).")
+        raise ValueError("a context-parallel batch needs modeling.context_parallel.enable_context_parallel(model).")
     local_tokens = batch["cp_local_index"].shape[0]
     if batch["position_ids"].shape != (4, 1, local_tokens) or batch["shift_labels"].shape != (1, local_tokens):
         raise ValueError(f"a context-parallel batch's positions and labels must cover its {local_tokens} tokens.")

@@ -13,7 +13,7 @@ all-gather needs; the pad tokens carry IGNORE_INDEX labels and sit after the doc
 real token attends to them and they change no loss or gradient. Positions (all four rows), labels and the
 attention boundaries travel with the tokens.
 
-Attention (`training/packed.py`): all-gather-KV. Each rank computes q, k, v for its tokens, `gather_sequence`
+Attention (`modeling/packed.py`): all-gather-KV. Each rank computes q, k, v for its tokens, `gather_sequence`
 all-gathers k and v over the context group (backward reduce-scatters dk, dv), and one index_select puts, for each
 local query chunk, its document's key prefix next to it: a chunk at document offset o attends keys [doc start,
 o + i] — causal with the mask aligned bottom-right, which is what the varlen kernels do for seqlen_q < seqlen_k.
@@ -33,7 +33,7 @@ summed over all ranks and multiplies by the world size, and DDP/FSDP average ove
 sum over context ranks (each holds its tokens' share of every parameter's gradient) averaged over data-parallel
 ranks, i.e. the gradient of the global batch's mean token loss.
 
-Gated DeltaNet (Qwen3.5, `training/gated_delta.py`): all-gather the layer's input. Its causal conv and recurrent
+Gated DeltaNet (Qwen3.5, `modeling/gated_delta.py`): all-gather the layer's input. Its causal conv and recurrent
 state run along each whole document, so a layer all-gathers its input hidden states over the group
 (`gather_sequence`), puts them in padded-pack order (`ContextShard.gather_order`), runs its boundary-exact forward
 on the whole padded pack (`padded_lengths` / `padded_cu_seqlens`: each document with its pads at its end, which
@@ -401,7 +401,7 @@ def _keep_local_tokens(module: torch.nn.Module, args: tuple, kwargs: dict, pack_
 
 
 def enable_context_parallel(model: torch.nn.Module, group: dist.ProcessGroup, pack_kwarg: str) -> None:
-    """Make a packed-forward model (training.packed.enable_packed_forward) take `shard_pack` batches: it keeps
+    """Make a packed-forward model (modeling.packed.enable_packed_forward) take `shard_pack` batches: it keeps
     `group` for the attention's all-gather and gets the language-model pre-hook. Undo with
     `disable_context_parallel`."""
     if getattr(model, "_context_parallel", None) is not None:

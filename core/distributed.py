@@ -99,7 +99,7 @@ def check_world_size(num_processes: int, launcher_cmdline: list[str] | None = No
     if launched != num_processes:
         raise LaunchError(
             f"{launched} processes were launched but accelerate formed a group of {num_processes}: on a CPU-only "
-            "host pass cpu=True to Accelerator (training.distributed.accelerator_kwargs does), or launch one process."
+            "host pass cpu=True to Accelerator (core.distributed.accelerator_kwargs does), or launch one process."
         )
     requested = requested_processes(_parent_cmdline() if launcher_cmdline is None else launcher_cmdline)
     if "WORLD_SIZE" not in os.environ and requested is not None and requested > 1:

@@ -27,9 +27,10 @@ from accelerate import Accelerator
 from torch import nn
 from tqdm.auto import tqdm
 
+from core.config import Config
 from core.families import FAMILIES
-from training import parts, run_files
-from training.config import Config
+from lifecycle import run_files
+from modeling import parts
 
 log = logging.getLogger(__name__)
 
@@ -179,12 +180,12 @@ def pack_flops(
     plus 6·r·(in + out) per adapted layer (the adapters are weights of the part, trainable). At a part's input the
     first weights' input gradient is counted though autograd skips it when nothing upstream trains (a trained merger's
     first layer above a frozen ViT; the ViT's patch embedding, whose input is pixels): a small over-count. Under LoRA
-    the embeddings' output takes a gradient (training/lora.py), so the decoder's count is exact.
+    the embeddings' output takes a gradient (modeling/lora.py), so the decoder's count is exact.
     Attention and the delta rule have no weights; their backward is 2× forward where gradients flow):
       * Decoder layers: a token multiplies each active weight once → 2·N FLOPs forward per token, N =
         `llm_matmul_params` (adapters included; MoE experts scaled by top_k/n_experts), over Σsᵢ tokens.
       * lm_head: 2·V·H forward per labelled row (`lm_head_params` = V·H): the loss multiplies only the rows that
-        have a label (training/loss.py), so the others cost nothing and count nothing. A tied lm_head (Qwen2.5-VL-3B,
+        have a label (trainer/loss.py), so the others cost nothing and count nothing. A tied lm_head (Qwen2.5-VL-3B,
         Qwen3-VL-2B) is the embedding table, whose lookup is free, but its matmul runs: it counts the same. Its
         input gradient flows where the decoder's does; its weight gradient only if it trains.
       * LLM softmax attention, per layer and sample: QKᵀ and PV are each 2·H·d FLOPs per (query, key) pair over the

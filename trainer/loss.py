@@ -13,7 +13,7 @@ unfused (logits, gradient of the input, gradient of the weight), none recomputed
 
 Two paths, one arithmetic (the logits rounded to the matmul dtype, softmax in fp32, its gradient rounded back once):
 - CUDA: a chunk's logits (matmul dtype, at most CE_KERNEL_CHUNK_ELEMENTS) become their own gradient in place
-  (training/loss_kernel.py, two reads and one write), and the weight gradient accumulates in fp32 inside the matmul
+  (modeling/loss_kernel.py, two reads and one write), and the weight gradient accumulates in fp32 inside the matmul
   (cuBLAS with an fp32 output, C += A·B), once per chunk. The torch steps below instead make an fp32 copy of each
   chunk's logits and pass over it seven times, and each chunk adds a bf16 weight-gradient partial into the fp32 sum,
   a read-modify-write as large as the lm_head in fp32 (docs/performance.md has what that costs at Qwen3.5's
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from data.processing import IGNORE_INDEX
-from training.loss_kernel import cross_entropy_grad_
+from modeling.loss_kernel import cross_entropy_grad_
 
 CE_CHUNK_ELEMENTS = 2**28  # torch path: the fp32 logits of a chunk take 1 GiB, whatever the vocabulary
 # CUDA path: a chunk's logits in the matmul dtype (2 GiB in bf16; 4,324 rows at V = 248320). Fewer, larger chunks
@@ -46,7 +46,7 @@ def _matmul_dtype(hidden: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
 
 
 def _softmax_in_kernel(device: torch.device) -> bool:
-    """Whether a chunk's softmax gradient runs in training/loss_kernel.py (else in torch ops)."""
+    """Whether a chunk's softmax gradient runs in modeling/loss_kernel.py (else in torch ops)."""
     return device.type == "cuda"
 
 

@@ -14,8 +14,8 @@ from typing import Any
 import yaml
 
 from core import config_tree
+from core.config import Config
 from core.config_tree import ConfigError
-from training.config import Config
 
 log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"

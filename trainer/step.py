@@ -3,7 +3,7 @@ label tokens across micro-batches and ranks, gradients clipped, no host sync; an
 
 `TrainModule` puts the HF model and the loss in one forward, so DDP/FSDP2 see exactly one module call per
 micro-step; where ranks must make the same vision-tower calls, a pack that lacks images or videos sends a dummy
-image through the tower in their place (VisionAlignment). The loss is training/loss.py's fused lm_head +
+image through the tower in their place (VisionAlignment). The loss is trainer/loss.py's fused lm_head +
 cross-entropy: the (T, V) logits and their gradient are never materialised.
 """
 
@@ -21,8 +21,8 @@ from torch.profiler import record_function
 
 from data.pipeline import STEP_VISION
 from data.processing import IGNORE_INDEX
-from training import context_parallel, packed, vision_plan
-from training.loss import linear_cross_entropy
+from modeling import context_parallel, packed, vision_plan
+from trainer.loss import linear_cross_entropy
 
 PHASE = "phase/"
 """Prefix of the step's phase annotations (data wait, forward, backward, ...): free without a profiler; under one
@@ -101,7 +101,7 @@ class TrainModule(nn.Module):
         self.register_buffer("dummy_pixels", torch.zeros(merge * merge, patch_dim), persistent=False)
         self.register_buffer("dummy_grid", torch.tensor([[1, merge, merge]]), persistent=False)
         self._dummy_rows = ((1, merge, merge),)
-        # The tower's grid metadata, computed on the host from the batch's host grids (training/vision_plan.py).
+        # The tower's grid metadata, computed on the host from the batch's host grids (modeling/vision_plan.py).
         self.vision_plans = vision_plan.VisionPlans(model.model.visual)
 
     def model_inputs(self, batch: dict) -> dict:

@@ -11,7 +11,7 @@ Gradients: `_PatchEmbedMatmul` returns the weight's and the bias's gradients in 
 fp32 (cuBLAS's fp32 output on CUDA; the bf16 operands widened, which is exact, elsewhere). A pack calls the
 embedding twice (its images, then its videos) and a step once more per micro-batch: with fp32 parameters (the
 module's own in `train.master_weights=module`, and in `optimizer` mode too, which keeps the patch embedding fp32:
-training/master_weights.py) those calls' gradients add in fp32, in the same order in both modes, so both modes get
+modeling/master_weights.py) those calls' gradients add in fp32, in the same order in both modes, so both modes get
 the same gradient bit for bit. Autocast alone cannot give that: `weight.view(...)` is not a leaf, so autocast casts
 it anew at each call and its two bf16 gradients meet in fp32 in module mode but in bf16 on a bf16 weight.
 """
@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from training.parts import inner_model
+from modeling.parts import inner_model
 
 
 def is_patchwise_conv(conv: nn.Module) -> bool:

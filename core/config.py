@@ -87,10 +87,10 @@ class LoraConfig:
 class KernelsConfig:
     mrope: Literal["fused", "unfused", "auto"] = "auto"  # auto: fused when supported, else unfused with a warning
     # Qwen3.5 Gated DeltaNet on packs: auto = fla's varlen kernels where they run exactly, else the boundary-exact
-    # torch path; the run logs which and why (training/gated_delta.py)
+    # torch path; the run logs which and why (modeling/gated_delta.py)
     gated_delta: Literal["auto", "torch", "fla"] = "auto"
     # ViT patch embedding: "matmul" = transformers' Conv3d as the one matmul it is, faster on GPUs, weight gradients
-    # accumulated in fp32 (training/patch_embed.py); "conv" = transformers' Conv3d
+    # accumulated in fp32 (modeling/patch_embed.py); "conv" = transformers' Conv3d
     patch_embed: Literal["conv", "matmul"] = "matmul"
 
 
@@ -106,7 +106,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    output_dir: str = "runs/default"  # the run directory: config, metrics, checkpoints, export (training/run_files.py)
+    output_dir: str = "runs/default"  # the run directory: config, metrics, checkpoints, export (lifecycle/run_files.py)
     max_steps: int = 100  # optimizer steps to train; the cosine schedule ends here
     seed: int = 0  # seeds the random init and the process RNGs (the data order has data.seed)
     lr: float = 1e-4  # peak learning rate of the LLM, and of the other parts unless lr_vision / lr_merger are set
@@ -126,11 +126,11 @@ class TrainConfig:
     generate_samples: int = 16
     generate_max_new_tokens: int = 32  # tokens per answer at most (greedy)
     # where the fp32 master weights live: "module" = an fp32 module that autocast casts at every use; "optimizer" =
-    # matmul weights in model.dtype, fp32 copies in AdamW (one process; training/master_weights.py); "auto" =
-    # optimizer for one CUDA process in bfloat16, else module (training/defaults.py)
+    # matmul weights in model.dtype, fp32 copies in AdamW (one process; modeling/master_weights.py); "auto" =
+    # optimizer for one CUDA process in bfloat16, else module (trainer/defaults.py)
     master_weights: Literal["auto", "module", "optimizer"] = "auto"
-    # regional torch.compile of every decoder layer and ViT block (training/compile.py; the first step compiles);
-    # "auto" = on with CUDA, off on the CPU (training/defaults.py)
+    # regional torch.compile of every decoder layer and ViT block (modeling/compile.py; the first step compiles);
+    # "auto" = on with CUDA, off on the CPU (trainer/defaults.py)
     compile: bool | Literal["auto"] = "auto"
 
     def validate(self) -> None:
@@ -196,7 +196,7 @@ class LoggingConfig:
     tags: list[str] = field(default_factory=list)  # wandb tags
     every_steps: int = 10  # steps per log interval: one device sync and one record of rates per interval
     timing_warmup_steps: int = 5  # steps excluded from the summary's throughput and MFU (allocator, autotuning)
-    peak_tflops: float | None = None  # the device's dense bf16 peak for MFU; null = look it up (training/metrics.py)
+    peak_tflops: float | None = None  # the device's dense bf16 peak for MFU; null = look it up (trainer/metrics.py)
     progress_bar: bool = True  # a tqdm bar on the main process
 
     def validate(self) -> None:
