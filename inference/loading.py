@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from core.config import Config, load_config
 from core.config_tree import ConfigError
 from data.config import DataConfig
 from data.pipeline import load_processor
 from lifecycle.checkpoint import COMPLETE, latest_checkpoint
-from core.config import Config, load_config
-from modeling.lora import ADAPTER_DIR, apply_lora
 from modeling.build import build_model
+from modeling.lora import ADAPTER_DIR, apply_lora
 
 log = logging.getLogger(__name__)
 PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")

@@ -21,11 +21,11 @@ from pathlib import Path
 
 import torch
 
+from core.config import load_config
 from data.pipeline import load_processor
 from inference import evaluate
 from inference.generation import GenerationSettings, Generator
 from inference.loading import load_run
-from core.config import load_config
 from modeling.build import build_model
 from verification.provenance import provenance
 

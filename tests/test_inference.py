@@ -19,6 +19,7 @@ from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
+from core.config import load_config
 from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import load_processor
@@ -27,7 +28,6 @@ from inference import builtin_eval, predictions, scoring
 from inference.loading import data_settings, read_run_config
 from inference.prompts import EvalDataError, PromptBuilder
 from scripts import chat, generate
-from core.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
