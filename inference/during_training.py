@@ -9,8 +9,9 @@ on, data.eval_fraction), their prompts built once, as training builds its sample
 answer, so a person can read what the model says as it trains.
 
 Distributed: every rank answers the same prompts in the same batches, with transformers' `synced_gpus` keeping them
-in step until the longest answer ends, so each forward is a forward of every rank: FSDP2's all-gathers pair up, and
-DDP's replicas never diverge. With train.generate_every = 0 (the default) nothing of this is built.
+in step until the longest answer ends, so each forward is a forward of every rank: FSDP2's all-gathers pair up (the
+root's own parameters gathered around each generate call, inference/generation.py), and DDP's replicas never
+diverge. With train.generate_every = 0 (the default) nothing of this is built.
 """
 
 from __future__ import annotations
@@ -53,7 +54,15 @@ class GenerationEval:
     """The held-out generation evaluation of a training run (module docstring); call it with the step."""
 
     def __init__(
-        self, accelerator: Accelerator, hf_model, processor, prompts: list[EvalPrompt], settings, run_dir, cfg_data
+        self,
+        accelerator: Accelerator,
+        module,
+        hf_model,
+        processor,
+        prompts: list[EvalPrompt],
+        settings,
+        run_dir,
+        cfg_data,
     ):
         self.accelerator = accelerator
         self.prompts = prompts
@@ -66,6 +75,7 @@ class GenerationEval:
             max_positions=evaluate.context_length(hf_model.config),
             autocast=accelerator.autocast,
             synced=accelerator.num_processes > 1,
+            root=module,
         )
 
     @classmethod
@@ -77,7 +87,7 @@ class GenerationEval:
             log.warning("train.generate_every: the held-out split has no usable record; nothing will be generated")
         settings = GenerationSettings(max_new_tokens=cfg.train.generate_max_new_tokens)
         log.info("train.generate_every=%d: %d held-out prompts", cfg.train.generate_every, len(prompts))
-        return cls(accelerator, hf_model, processor, prompts, settings, run_dir, cfg.data)
+        return cls(accelerator, module, hf_model, processor, prompts, settings, run_dir, cfg.data)
 
     def __call__(self, step: int) -> dict:
         started = time.perf_counter()

@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from core.config_tree import ConfigError
 from data.collate import IMAGE, TEXT, VIDEO, Collator
@@ -62,7 +63,9 @@ class Generator:
     tokens decoded.
 
     `synced` keeps every process generating until the longest answer of any process ends (transformers'
-    `synced_gpus`): needed when the ranks' forwards are collectives (FSDP2)."""
+    `synced_gpus`): needed when the ranks' forwards are collectives (FSDP2). `root`: the FSDP2 root module that holds
+    `model` (the training module), whose own parameters (those outside the per-layer units: embeddings, lm_head,
+    norms, merger) it gathers around each generate call, since generate calls the model below the root's hooks."""
 
     def __init__(
         self,
@@ -73,12 +76,14 @@ class Generator:
         max_positions: int | None = None,
         autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
         synced: bool = False,
+        root: torch.nn.Module | None = None,
     ):
         settings.validate()
         self.model, self.tokenizer, self.collator, self.settings = model, tokenizer, collator, settings
         self.max_positions = max_positions
         self.autocast = autocast
         self.synced = synced
+        self.root = root if isinstance(root, FSDPModule) else None
         self.pad_id = collator.pad_token_id
         self.stop_ids = stop_token_ids(model.generation_config.eos_token_id, tokenizer)
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model: its HF model
@@ -143,6 +148,8 @@ class Generator:
             torch.manual_seed(s.seed)
         was_training = self.model.training
         self.model.eval()
+        if self.root is not None:
+            self.root.unshard()
         try:
             with self.autocast() if self.autocast is not None else contextlib.nullcontext():
                 output = self.model.generate(
@@ -157,6 +164,8 @@ class Generator:
                     synced_gpus=self.synced,
                 )
         finally:
+            if self.root is not None:
+                self.root.reshard()
             self.model.train(was_training)
         new_tokens = output[:, inputs["input_ids"].shape[1] :].cpu()
         return [text.strip() for text in self.tokenizer.batch_decode(new_tokens, skip_special_tokens=True)]

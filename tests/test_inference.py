@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import signal
 import subprocess
 import sys
@@ -387,3 +388,66 @@ def test_unknown_run_directory_is_one_line():
     """A directory that is not a run is a one-line error, not a traceback."""
     assert generate.cli(["--run", "/nonexistent-run"]).startswith("error: ")
     assert issubclass(EvalDataError, DataError)
+
+
+FSDP2_GENERATION_WORKER = """
+import dataclasses, json, sys
+sys.path.insert(0, {root!r})
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from core.config import load_config
+from data.pipeline import build_data, load_processor
+from core.families import hf_config
+from inference import evaluate
+from inference.generation import GenerationSettings, Generator
+from modeling.build import build_model
+from modeling.packed import enable_packed_forward
+from trainer.step import TrainModule
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+cfg = load_config({recipe!r}, {overrides!r})
+processor = load_processor(cfg.model, cfg.data)
+pack = next(iter(build_data(cfg.data, cfg.packing, processor, hf_config(cfg.model), rank, 2)[0]))
+
+def train_module():
+    model = build_model(dataclasses.replace(cfg.model, dtype="float32"), seed=0)
+    enable_packed_forward(model)
+    return TrainModule(model)
+
+reference, sharded = train_module(), train_module()
+for unit in [m for m in sharded.modules() if type(m).__name__ in sharded._no_split_modules]:
+    fully_shard(unit)
+fully_shard(sharded)
+sharded(pack).backward()  # a training step's forward first, as in a run
+records, root, data = evaluate.open_eval_records(cfg.data, "builtin", 6, None, None)
+builder = evaluate.prompt_builder_for(processor, reference.model.config, data, root)
+prompts = [p for p in (builder.build(records[i], i) for i in range(len(records))) if p.row is not None]
+collator = evaluate.collator_for(processor, reference.model.config, data)
+settings = GenerationSettings(max_new_tokens=6)
+answers = []
+for start in range(0, len(prompts), 3):  # the last batch is shorter: the ranks still agree on every forward
+    generator = Generator(sharded.model, processor.tokenizer, collator, settings, synced=True, root=sharded)
+    answers += generator.generate(prompts[start : start + 3])
+expected = Generator(reference.model, processor.tokenizer, collator, settings).generate(prompts)
+print("RESULT " + json.dumps(dict(rank=rank, same=answers == expected, count=len(answers))), flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_fsdp2_ranks_generate_together_what_one_unsharded_model_generates(tmp_path):
+    """Under FSDP2 (per-layer shards and the root over gloo, after a training forward), every rank generating the
+    same prompts with synced_gpus completes (each forward all-gathers on both ranks, the root's own parameters
+    gathered around generate) and answers exactly what one unsharded copy of the model answers."""
+    from tests.test_distributed import WORKER_EXIT, run_processes
+
+    overrides = [f"data.cache_dir={tmp_path / 'cache'}", "data.num_samples=16", "data.num_workers=0"]
+    overrides += ["packing.max_tokens=512", "kernels.mrope=unfused"]
+    worker = tmp_path / "fsdp2_generate.py"
+    worker.write_text(FSDP2_GENERATION_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides) + WORKER_EXIT)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
+    output = run_processes(command, tmp_path / "fsdp2.log", "FSDP2 generation")
+    results = [json.loads(match) for match in re.findall(r"RESULT (\{[^{}]*\})", output)]
+    assert sorted(r["rank"] for r in results) == [0, 1]
+    assert all(r["same"] and r["count"] >= 4 for r in results), results
