@@ -445,7 +445,8 @@ def test_fsdp2_ranks_generate_together_what_one_unsharded_model_generates(tmp_pa
     overrides = [f"data.cache_dir={tmp_path / 'cache'}", "data.num_samples=16", "data.num_workers=0"]
     overrides += ["packing.max_tokens=512", "kernels.mrope=unfused"]
     worker = tmp_path / "fsdp2_generate.py"
-    worker.write_text(FSDP2_GENERATION_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides) + WORKER_EXIT)
+    script = FSDP2_GENERATION_WORKER.format(root=str(ROOT), recipe=str(ROOT / TINY), overrides=overrides)
+    worker.write_text(script + WORKER_EXIT)
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(worker)]
     output = run_processes(command, tmp_path / "fsdp2.log", "FSDP2 generation")
     results = [json.loads(match) for match in re.findall(r"RESULT (\{[^{}]*\})", output)]
