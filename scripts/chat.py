@@ -5,7 +5,8 @@
 
 An image or video goes into a message as its path: a word of the message that names an existing image file (or a
 video file, or a directory of frame images) becomes that image or video at its place in the message. The
-conversation carries over between turns (`/reset` starts again, `/quit` or Ctrl-D ends). Prompts are built as
+conversation carries over between turns (`/reset` starts again, `/quit` or Ctrl-D ends; an empty answer is left out
+of it). Prompts are built as
 training builds them, with the run's pixel and frame settings (scripts/generate.py's flags override them); answers
 are greedy unless `--do-sample`.
 """
@@ -91,8 +92,9 @@ class Chat:
             raise SampleError("empty_text", "the message is empty")
         messages, images, videos = [*self.messages, message], self.images + images, self.videos + videos
         answer = self.generator.generate([self.builder.conversation(messages, images, videos)])[0]
-        self.messages = [*messages, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
-        self.images, self.videos = images, videos
+        if answer:  # an empty answer is no turn a prompt can hold: the exchange is left out of the conversation
+            self.messages = [*messages, {"role": "assistant", "content": [{"type": "text", "text": answer}]}]
+            self.images, self.videos = images, videos
         return answer
 
 

@@ -321,6 +321,31 @@ def test_chat_answers_one_message_with_an_image(full_run, tmp_path, capsys):
     assert [item["type"] for item in message["content"]] == ["text", "image", "text"] and len(images) == 1
 
 
+def test_interactive_chat_keeps_the_conversation_until_quit(full_run, tmp_path, monkeypatch, capsys):
+    """The interactive session answers each message with a prompt that holds the conversation so far, leaves an empty
+    answer out of it, says so and goes on when an image is unreadable, starts again on /reset and ends on /quit."""
+    image = tmp_path / "blue.png"
+    Image.new("RGB", (112, 112), "blue").save(image)
+    (tmp_path / "broken.png").write_bytes(b"not an image")
+    lines = iter([f"Colour? {image}", "And now?", "Empty?", f"This {tmp_path / 'broken.png'}", "/reset", "Hi", "/quit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    session = chat.Chat(chat_args(full_run))
+    answers, prompts = iter(["Blue.", "Still blue.", "", "Hello."]), []
+    session.generator.generate = lambda batch: prompts.append(batch[0]) or [next(answers)]
+    chat.interactive(session)
+    out = capsys.readouterr().out
+    assert out.count("model> ") == 4 and "(not sent: corrupt_image" in out
+    assert [p.prompt_text.count("user:") for p in prompts] == [1, 2, 3, 1]  # the empty answer's turn is not kept
+    assert "assistant: Blue." in prompts[1].prompt_text and prompts[0].row["image_grid_thw"]
+    assert len(prompts[2].row["image_grid_thw"]) == 1  # the first message's image stays in the conversation
+
+
+def chat_args(run: Path):
+    parser = __import__("argparse").ArgumentParser()
+    generate.add_generation_args(parser)
+    return parser.parse_args(["--run", str(run), "--max-new-tokens", "3"])
+
+
 # ----- the smoke test's verdict -----
 
 
