@@ -22,6 +22,7 @@ import importlib.util
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,7 +94,9 @@ def main() -> int:
     device = torch.cuda.get_device_name(0) if on_gpu else "CPU (no CUDA device: smaller run, transformers' rope)"
     print(f"[smoke] {device}: python train.py --config {RECIPE} {' '.join(overrides)}", flush=True)
     command = [sys.executable, "train.py", "--config", RECIPE, *overrides]
+    started = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, check=False)
+    train_wall = time.perf_counter() - started
     if result.returncode != 0:
         print(f"[smoke] FAILED: train.py exited with {result.returncode}", flush=True)
         return result.returncode
@@ -116,6 +119,10 @@ def main() -> int:
         f"run directory   {summary['run_dir']} (metrics.jsonl, summary.json, config.yaml, checkpoints/)",
         f"export          {summary['export_dir']}",
     ]
+    generating = [r["gen_s"] for r in run_files.read_metrics(run_dir) if "gen_s" in r]
+    if generating:
+        share = f"{sum(generating):.1f} s of train.py's {train_wall:.0f} s ({sum(generating) / train_wall:.1%})"
+        lines.append(f"generation eval {len(generating)} evaluations (train.generate_every): {share}")
     if summary["wandb_dir"]:
         lines.append(f"wandb files     {summary['wandb_dir']} (offline runs upload with `wandb sync <that dir>`)")
     print("\n[smoke] summary\n  " + "\n  ".join(lines), flush=True)
