@@ -215,7 +215,7 @@ def step_one(first: compare.RunResult, baseline: compare.RunResult) -> dict:
 
 def first_step(run: compare.RunResult) -> dict:
     """Step 1's wall time and inductor's compile time within it, as train.py logged them (None where it did not)."""
-    record = next((r for r in run.records if "first_step_s" in r), {})
+    record = next((r for r in run_files.read_metrics(run.run_dir) if "first_step_s" in r), {})
     return {"first_step_s": record.get("first_step_s"), "compile_s": record.get("compile_s")}
 
 
