@@ -25,10 +25,13 @@ from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import load_processor
 from data.processing import SampleProcessor
-from inference import builtin_eval, predictions, scoring
+from inference import builtin_eval, evaluate, predictions, scoring
+from inference.generation import GenerationSettings, Generator
 from inference.loading import data_settings, read_run_config
 from inference.prompts import EvalDataError, PromptBuilder
+from modeling.build import build_model
 from scripts import chat, generate
+from tests.tiers import tiered
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -165,6 +168,34 @@ def test_bad_eval_records(tiny_parts, tmp_path):
         make.build(ask("a.png", answer="  "), 0)
     short = builder(processor, config, root, max_positions=8).build(ask("a.png"), 0)
     assert short.skip_reason == "too_long" and short.row is None
+
+
+FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+
+
+@pytest.mark.parametrize("family", tiered(FAMILIES, fast=("qwen2_5_vl", "qwen3_vl")))
+def test_every_family_generates_in_a_batch_what_it_generates_alone(family, tmp_path):
+    """For each family's tiny model, prompts with an image, a video (Qwen3-VL/3.5: timestamped) and text only,
+    left-padded into one batch, get the same greedy tokens as each alone: padding moves no position and no image."""
+    cfg = load_config(f"recipes/tiny-{family}.yaml", [f"data.cache_dir={tmp_path / 'cache'}"])
+    model = build_model(cfg.model, seed=0).eval()
+    processor = load_processor(cfg.model, cfg.data)
+    root = tmp_path / "images"
+    root.mkdir()
+    Image.new("RGB", (112, 84), "red").save(root / "a.png")
+    Image.new("RGB", (84, 140), "blue").save(root / "b.png")
+    for i in range(4):
+        Image.new("RGB", (56, 56), (60 * i, 0, 0)).save(root / f"f{i}.png")
+    text_only = {"conversations": [{"from": "human", "value": "What is 2 plus 3?"}, {"from": "gpt", "value": "5."}]}
+    records = [RECORDS["llava image"], RECORDS["video frames"], text_only, RECORDS["image and video"]]
+    make = builder(processor, model.config, root)
+    prompts = [make.build(record, i) for i, record in enumerate(records)]
+    settings = GenerationSettings(max_new_tokens=3, min_new_tokens=3)
+    assert all(prompt.row is not None for prompt in prompts), [prompt.skip_detail for prompt in prompts]
+    collator = evaluate.collator_for(processor, model.config, cfg.data)
+    generator = Generator(model, processor.tokenizer, collator, settings)
+    alone = [generator.generate([prompt])[0] for prompt in prompts]
+    assert generator.generate(prompts) == alone
 
 
 # ----- runs -----
