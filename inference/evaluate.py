@@ -94,6 +94,7 @@ def prediction_line(prompt: EvalPrompt, answer: str | None) -> dict:
     return {
         **line,
         "prompt": prompt.prompt_text,
+        "reference": prompt.references[0],
         "references": prompt.references,
         "prediction": answer,
         "scores": scores,

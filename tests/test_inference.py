@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,14 +276,18 @@ def test_checkpoint_directory_gives_the_exports_answers(full_run, tmp_path):
 
 
 def test_lora_merged_export_adapter_and_checkpoint_agree(lora_run, tmp_path):
-    """A LoRA run answers the same through its merged export, through its base plus the peft adapter, and through
-    its last checkpoint (base + adapters built as training builds them)."""
+    """A LoRA run answers the same through its merged export, through its base plus the peft adapter, through an
+    adapter-only export (lora.merge_on_export: false: final/ holds adapter/ and the processor) and through its last
+    checkpoint (base + adapters built as training builds them)."""
     merged = generate_lines(lora_run, tmp_path / "merged.jsonl")
     adapter = generate_lines(lora_run, tmp_path / "adapter.jsonl", "--checkpoint", str(lora_run / "final" / "adapter"))
+    adapter_only = tmp_path / "adapter-only-final"
+    shutil.copytree(lora_run / "final", adapter_only, ignore=shutil.ignore_patterns("model.safetensors", "config.json"))
+    unmerged = generate_lines(lora_run, tmp_path / "unmerged.jsonl", "--checkpoint", str(adapter_only))
     latest = generate_lines(lora_run, tmp_path / "latest.jsonl", "--checkpoint", "latest")
     answers = [line.get("prediction") for line in merged]
-    assert [line.get("prediction") for line in adapter] == answers
-    assert [line.get("prediction") for line in latest] == answers
+    for lines in (adapter, unmerged, latest):
+        assert [line.get("prediction") for line in lines] == answers
 
 
 def test_resume_continues_a_partial_file_without_duplicates(full_run, tmp_path):
