@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test generate chat compare profile inspect-data verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -65,8 +65,11 @@ generate:  ## answer and score held-out questions with a run (RUN=runs/smoke; AR
 chat:  ## talk to a trained run in the terminal (RUN=runs/smoke); image and video paths in a message are read
 	$(PY) -m scripts.chat --run $(or $(RUN),runs/smoke) $(ARGS)
 
-inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency
+inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency, memory estimate
 	$(PY) -m scripts.inspect_data --config $(CONFIG) $(ARGS)
+
+estimate-memory:  ## a recipe's memory per GPU before it runs, and which GPUs and overrides fit (ARGS="--gpus 2 ...")
+	$(PY) -m scripts.estimate_memory --config $(CONFIG) $(ARGS)
 
 verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
 	$(PY) -m scripts.verify_packing --config $(CONFIG) $(ARGS)

@@ -61,12 +61,22 @@ def test_random_init_recipe_builds(recipe):
 
 @pytest.mark.parametrize("path", ACCELERATE, ids=lambda p: p.stem)
 def test_accelerate_config_parses(path):
-    """`accelerate launch --config_file recipes/accelerate/<name>.yaml` accepts the file; fsdp2 is FSDP v2."""
+    """`accelerate launch --config_file recipes/accelerate/<name>.yaml` accepts the file; fsdp2 is FSDP v2; a
+    *-multinode config is its one-machine config but for several machines meeting at a static rendezvous (the
+    launch command gives the machine rank and the first host, docs/cluster.md)."""
     config = load_config_from_file(str(path))
     expected = {"single_gpu": DistributedType.NO, "ddp": DistributedType.MULTI_GPU, "fsdp2": DistributedType.FSDP}
-    assert config.distributed_type == expected[path.stem]
-    if path.stem == "fsdp2":
+    layout = path.stem.removesuffix("-multinode")
+    assert config.distributed_type == expected[layout]
+    if layout == "fsdp2":
         assert config.fsdp_config["fsdp_version"] == 2
+    if path.stem.endswith("-multinode"):
+        one_machine = load_config_from_file(str(path.with_name(f"{layout}.yaml")))
+        assert config.num_machines > 1 and config.num_processes % config.num_machines == 0
+        assert config.rdzv_backend == "static" and config.main_process_ip is None
+        assert config.fsdp_config == one_machine.fsdp_config
+    else:
+        assert config.num_machines == 1
 
 
 # the full fine-tunes of real models (recipes/models/*.json at their published size)
