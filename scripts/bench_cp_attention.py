@@ -279,7 +279,7 @@ def torch_cp(problem: Problem, rank: int, world_size: int, mesh, rotate: str) ->
     set_rotate_method(rotate)
     buffers = [t.detach().clone() for t in (problem.q, problem.k, problem.v, problem.dout)]
     sdpa, handlers = F.scaled_dot_product_attention, DTensor._op_dispatcher._custom_op_handlers
-    registered = _patched_functions_registry()
+    registered = patched_functions_registry()
     wrappers_before = set(registered)
     notes: dict = {"rotate_method": rotate}
     try:
@@ -296,7 +296,7 @@ def torch_cp(problem: Problem, rank: int, world_size: int, mesh, rotate: str) ->
             del registered[wrapper]
 
 
-def _patched_functions_registry() -> dict:
+def patched_functions_registry() -> dict:
     """torch's context_parallel's record of the functions it patched (wrapper -> original), never emptied; {} on a
     torch without one."""
     try:

@@ -227,12 +227,12 @@ def implementations(case: Case, x: dict, with_compile: bool) -> dict:
         impls["liger"] = (lambda q_, k_: liger(q_, k_, cos, sin), inputs, grads)
     # The two autograd mechanisms a fused op can use, bare (no validation, no patch dispatcher), on the kernel's views:
     # the autograd.Function the product uses, and a torch.library.triton_op with registered autograd.
-    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    layout, sections = layout_of(case), tuple(case.sections or (0, 0, 0))
     to_kernel = (lambda t: t) if vision else (lambda t: t.transpose(1, 2))
     # The product's Function takes the `_Rope` of its calls' signature (one for all calls of a row), found once here.
     kernel_rope = ops._rope(to_kernel(x["q"]), to_kernel(x["k"]), x["angles"], layout, sections, 1.0, False)
     function = lambda q_, k_, angles, *_: ops._RopeFunction.apply(q_, k_, *(*angles, None)[:2], kernel_rope)
-    for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", _triton_op())):
+    for name, rope in (("mechanism_autograd_function", function), ("mechanism_triton_op", triton_op_rope())):
         impls[name] = (
             lambda q_, k_, rope=rope: tuple(
                 to_kernel(t) for t in rope(to_kernel(q_), to_kernel(k_), x["angles"], layout, sections, 1.0)
@@ -256,7 +256,7 @@ def _plan(q, k, q_out, k_out, angles, layout: int, sections, conjugate: bool, **
 
 
 @functools.cache  # one registration per process
-def _triton_op():
+def triton_op_rope():
     """`bench_mrope::rope` as a `torch.library.triton_op` (kernel via `wrap_triton`) with its backward registered,
     called with the static args (layout, sections, scaling) after the tensors: the alternative to the product's
     autograd.Function, for the host-cost comparison only."""
@@ -296,7 +296,7 @@ def _kernels_only(case: Case, x: dict):
     """(fwd, fwd+bwd) callables of the device work of ours without autograd: exactly what `_RopeFunction` runs
     (allocate outputs, one launch per pass; backward = conjugate), on the HF-layout tensors the dispatcher hands
     over (text: heads first)."""
-    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    layout, sections = layout_of(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     grad_q, grad_k = (g.detach() for g in x["grads"])
     angles = x["angles"]
@@ -382,7 +382,7 @@ def launches(case: Case, x: dict) -> dict:
     """name -> (fwd, fwd+bwd) callables of the kernel launch alone on the kernel's views of `x`, writing preallocated
     outputs, which they return (fwd+bwd: the forward's, then the conjugate launch's): `launch_jit` is `rope_launch` as
     it was before its direct launch (every launch through Triton's JIT), `launch_direct` is `rope_launch`."""
-    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    layout, sections = layout_of(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -424,7 +424,7 @@ def _host_row(case: str, impl: str, fwd, fwd_bwd, calls: int) -> dict:
     return row
 
 
-def _layout(case: Case) -> int:
+def layout_of(case: Case) -> int:
     if case.sections is None:
         return triton_rope.LAYOUT_VISION
     return triton_rope.LAYOUT_INTERLEAVED if case.interleaved else triton_rope.LAYOUT_CHUNKED
@@ -434,7 +434,7 @@ def _sweep(case: Case, x: dict, rows: list[dict]) -> None:
     """Forward time of launcher variants, to tune the heuristics; the default is the row marked `default`: text
     tokens per program (BLOCK_T) x num_warps; vision tokens per program (tiles of BLOCK_T x the row chunk) x
     num_warps."""
-    layout, sections = _layout(case), tuple(case.sections or (0, 0, 0))
+    layout, sections = layout_of(case), tuple(case.sections or (0, 0, 0))
     q, k = x["q"].detach(), x["k"].detach()
     if case.sections is not None:
         q, k = q.transpose(1, 2), k.transpose(1, 2)

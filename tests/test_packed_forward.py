@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import AttentionInterface
 
-from modeling import gated_delta
+from core.families import MODEL_TYPES
+from modeling import gated_delta, parts
 from modeling.packed import (
     PACKED_ATTENTION,
     disable_packed_forward,
@@ -18,6 +19,7 @@ from modeling.packed import (
     packed_model_inputs,
     varlen_dtype,
 )
+from mrope_kernels.patch import patch_model
 from tests.tiers import tiered
 from verification.packing_check import (
     RELATIVE_TOLERANCE,
@@ -29,7 +31,7 @@ from verification.packing_check import (
     samples_from_batch,
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 MIXED_PACK = (
@@ -88,10 +90,6 @@ def assert_within(report: PackingReport, rtol: float) -> None:
 
 def apply_rope(model, rope: str) -> None:
     if rope == "fused":
-        try:
-            from mrope_kernels.patch import patch_model
-        except ImportError as error:
-            pytest.skip(f"fused rope unavailable: {error}")
         patch_model(model)
 
 
@@ -156,10 +154,10 @@ def test_budget_filling_sample(tiny_samples, tiny_model, family):
 
 
 def test_packed_equals_per_sample_with_gradient_checkpointing(tiny_samples, tiny_model):
-    """Gradient checkpointing replays the layers with the pack's boundaries: packed == per-sample still."""
+    """Gradient checkpointing as train.py enables it (decoder layers and ViT blocks, modeling/parts.py) replays the
+    layers with the pack's boundaries: packed == per-sample still."""
     model = tiny_model("qwen3_5")
-    # activation_checkpointing_enable is the 5.23 name; 5.17 (the GPU image) only has the older one
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    parts.enable_gradient_checkpointing(model, llm=True, vision=True)
     model.train()
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
@@ -429,7 +427,7 @@ def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scalin
     import modeling.packed as packed
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    out = packed._per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
+    out = packed.per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
     return _LeakGradientAcrossSamples.apply(out)
 
 
@@ -442,7 +440,7 @@ def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(tiny_samples, tin
 
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
     monkeypatch.setattr("verification.packing_check.VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(packed, "_varlen_kernel", _varlen_with_backward_leak)
+    monkeypatch.setattr(packed, "varlen_kernel", _varlen_with_backward_leak)
     model = tiny_model("qwen2_5_vl", dtype="bfloat16")
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
@@ -473,7 +471,7 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_m
     import modeling.packed as packed
 
     calls = {"varlen": 0, "per_segment": 0}
-    varlen, per_segment = packed._varlen_kernel, packed._per_segment_sdpa
+    varlen, per_segment = packed.varlen_kernel, packed.per_segment_sdpa
 
     def count(name, function):
         def counted(*args, **kwargs):
@@ -482,8 +480,8 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_m
 
         return counted
 
-    monkeypatch.setattr(packed, "_varlen_kernel", count("varlen", varlen))
-    monkeypatch.setattr(packed, "_per_segment_sdpa", count("per_segment", per_segment))
+    monkeypatch.setattr(packed, "varlen_kernel", count("varlen", varlen))
+    monkeypatch.setattr(packed, "per_segment_sdpa", count("per_segment", per_segment))
     model = tiny_model(family).cuda()
     enable_packed_forward(model)
     batch = pack_samples(model, tiny_samples(model, MIXED_PACK, device="cuda"))
