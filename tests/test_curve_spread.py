@@ -104,8 +104,8 @@ def test_main_reports_the_per_draw_rule_and_writes_json(tmp_path, capsys):
 @pytest.mark.parametrize(
     ("files", "expected", "p_range"),
     [
-        # bf16-compiled with train.compile_eager_reductions=none: its curve ran 0.29-0.43 from the 1-GPU run in each
-        # draw, where the repeats stayed within 0.08-0.17
+        # bf16-compiled with train.compile_eager_reductions=none: outside the repeats' spread in every draw (the gaps:
+        # docs/numerics.md, "inductor's own reductions")
         (
             [
                 "curve-3b-bf16-compiled-vs-single-h200-2026-12-01.json",
