@@ -65,8 +65,8 @@ inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, effici
 verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
 	$(PY) -m scripts.verify_packing --config $(CONFIG) $(ARGS)
 
-compare:  ## wandb throughput comparison: fused vs unfused rope (and packed vs padded)
-	$(PY) -m scripts.compare_throughput --config $(CONFIG) $(ARGS)
+compare:  ## wandb throughput comparison: fused vs unfused rope on the eager fp32 path (VARIANTS=shipped,shipped-unfused: as shipped, compiled)
+	$(PY) -m scripts.compare_throughput --config $(CONFIG) --variants $(or $(VARIANTS),fused,unfused) $(ARGS)
 
 profile:  ## torch.profiler on a few training steps: top kernels, device time by category, trace (artifacts/profile)
 	$(PY) -m scripts.profile_step --config $(CONFIG) $(ARGS)

@@ -52,10 +52,13 @@ class _Rope:
     launch: the forward's (fixed by the signature) and the backward's, one per layout of the incoming gradients.
     Under torch.compile a traced call carries only the static args; the opaque op's eager run finds its own."""
 
-    __slots__ = ("backward_plans", "forward_plan", "heads_first", "layout", "scaling", "sections")
+    __slots__ = ("backward_plans", "forward_plan", "heads_first", "in_place", "layout", "scaling", "sections")
 
-    def __init__(self, layout: int, sections: tuple[int, int, int], scaling: float, heads_first: bool):
+    def __init__(
+        self, layout: int, sections: tuple[int, int, int], scaling: float, heads_first: bool, in_place: bool = False
+    ):
         self.layout, self.sections, self.scaling, self.heads_first = layout, sections, scaling, heads_first
+        self.in_place = in_place  # the forward rotates q and k themselves (the backward never does)
         self.forward_plan = None
         self.backward_plans = {}
 
@@ -72,7 +75,7 @@ class _Rope:
             plan = triton_rope.launch_plan(
                 order(q.shape), order(q.stride()), order(k.shape), order(k.stride()), order(q_out.stride()),
                 order(k_out.stride()), positions.stride(), dtypes, inv_freq.shape[0], self.layout, self.sections,
-                self.scaling, conjugate,
+                self.scaling, conjugate, in_place=self.in_place and not conjugate,
             )  # fmt: skip
         if conjugate:
             self.backward_plans[q.stride(), k.stride()] = plan
@@ -82,9 +85,11 @@ class _Rope:
 
 
 def _rotated(q, k, angles, rope: _Rope, conjugate: bool):
-    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense strides, transposed or not)."""
+    """Rotate q, k into new tensors with q's / k's layout (empty_like keeps dense strides, transposed or not), or,
+    for an in-place rope's forward, into q and k themselves."""
+    in_place = rope.in_place and not conjugate
     if runs_triton(q.device):
-        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        q_out, k_out = (q, k) if in_place else (torch.empty_like(q), torch.empty_like(k))
         # The forward's inputs are part of the signature (so are its outputs' strides, empty_like's function of
         # them); the backward's gradients come in whatever layout the graph after the rope hands back.
         plan = rope.backward_plans.get((q.stride(), k.stride())) if conjugate else rope.forward_plan
@@ -98,9 +103,10 @@ def _rotated(q, k, angles, rope: _Rope, conjugate: bool):
     positions, inv_freq = angles
     signed_positions = -positions if conjugate else positions
     interleaved = rope.layout == triton_rope.LAYOUT_INTERLEAVED
-    return apply_mrope_reference(
+    q_out, k_out = apply_mrope_reference(
         q, k, signed_positions, inv_freq, rope.sections, interleaved, rope.scaling, heads_first=rope.heads_first
     )
+    return (q.copy_(q_out), k.copy_(k_out)) if in_place else (q_out, k_out)
 
 
 @torch.library.custom_op("mrope_kernels::rope", mutates_args=())
@@ -158,6 +164,8 @@ class _RopeFunction(torch.autograd.Function):
     def forward(ctx, q, k, angles_0, angles_1, rope):
         ctx.save_for_backward(angles_0, angles_1)
         ctx.rope = rope
+        if rope.in_place:
+            ctx.mark_dirty(q, k)
         angles = (angles_0,) if angles_1 is None else (angles_0, angles_1)
         return _rotate(q, k, angles, rope, False)
 
@@ -178,6 +186,7 @@ def apply_mrope(
     attention_scaling: float = 1.0,
     *,
     heads_first: bool = False,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text multimodal rope (Qwen2/2.5-VL chunked, Qwen3-VL / Qwen3.5 interleaved, partial rotary).
 
@@ -187,12 +196,18 @@ def apply_mrope(
     inv_freq: fp32 (R/2,), R <= D; lanes [R, D) pass through. mrope_section: 3 ints summing to R/2.
     attention_scaling multiplies cos and sin. Returns new tensors (q_out, k_out) in the input dtype and layout.
     Differentiable in q and k, not in positions or inv_freq; incoming gradients are never modified.
+    inplace: rotate q and k themselves and return them, reading and writing only the R rotary lanes (with partial
+    rotary, R/D of an out-of-place call's bytes). Autograd is told (mark_dirty): a leaf that requires grad, or a
+    tensor another op saved for its backward, makes autograd raise rather than compute a wrong gradient. The backward
+    stays out of place. Not under torch.compile (ValueError): a traced graph takes the out-of-place op.
     """
     sections = _as_sections(mrope_section)
     if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, _NUMBER_TYPES):
         raise ValueError(f"attention_scaling must be a number (1.0 for the default rope), got {attention_scaling!r}")
+    if inplace and torch.compiler.is_compiling():
+        raise ValueError("apply_mrope(inplace=True) runs eagerly only: under torch.compile pass inplace=False")
     layout = triton_rope.LAYOUT_INTERLEAVED if interleaved else triton_rope.LAYOUT_CHUNKED
-    rope = _rope(q, k, (positions, inv_freq), layout, sections, float(attention_scaling), heads_first)
+    rope = _rope(q, k, (positions, inv_freq), layout, sections, float(attention_scaling), heads_first, inplace)
     return _RopeFunction.apply(q, k, positions, inv_freq, rope)
 
 
@@ -231,7 +246,7 @@ _ROPES: dict[tuple, _Rope] = {}
 _MAX_ROPES = 1024
 
 
-def _rope(q, k, angles, layout, sections, scaling, heads_first) -> _Rope:
+def _rope(q, k, angles, layout, sections, scaling, heads_first, in_place=False) -> _Rope:
     """The `_Rope` of a call: a dict hit for a signature seen before, else validated (ValueError) and kept. Under
     torch.compile validated every time (traced like any Python: no dict of symbolic shapes) and not kept."""
     if torch.compiler.is_compiling():
@@ -241,7 +256,7 @@ def _rope(q, k, angles, layout, sections, scaling, heads_first) -> _Rope:
         key = (
             q.shape, q.stride(), q.dtype, q.device, k.shape, k.stride(), k.dtype, k.device,
             *[(t.shape, t.stride(), t.dtype, t.device) for t in angles],
-            layout, sections, scaling, heads_first,
+            layout, sections, scaling, heads_first, in_place,
         )  # fmt: skip
     except AttributeError:  # not a tensor: validation names it
         _validate(q, k, angles, layout, sections, heads_first)
@@ -251,7 +266,7 @@ def _rope(q, k, angles, layout, sections, scaling, heads_first) -> _Rope:
         _validate(q, k, angles, layout, sections, heads_first)
         if len(_ROPES) >= _MAX_ROPES:
             del _ROPES[next(iter(_ROPES))]
-        rope = _ROPES[key] = _Rope(layout, sections, scaling, heads_first)
+        rope = _ROPES[key] = _Rope(layout, sections, scaling, heads_first, in_place)
     return rope
 
 

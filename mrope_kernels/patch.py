@@ -397,14 +397,49 @@ def _make_text_apply(original):
             return original(q, k, cos, sin, unsqueeze_dim)
         if unsqueeze_dim not in (1, 2):
             raise ValueError(f"unsqueeze_dim must be 1 (B, H, S, D) or 2 (B, S, H, D), got {unsqueeze_dim}.")
+        heads_first = unsqueeze_dim == 1
+        rope_args = (cos, sin.inv_freq, sin.mrope_section, sin.interleaved, sin.attention_scaling)
+        if 2 * sin.inv_freq.shape[0] < q.shape[-1]:
+            targets = _in_place_targets(q, k, heads_first)
+            if targets is not None:
+                (q_dst, k_dst), dst_heads_first = targets
+                q_dst, k_dst = ops.apply_mrope(q_dst, k_dst, *rope_args, heads_first=dst_heads_first, inplace=True)
+                return (
+                    (q_dst.transpose(1, 2), k_dst.transpose(1, 2)) if dst_heads_first != heads_first else (q_dst, k_dst)
+                )
         # (B, H, S, D) rotates as it is: transposed views would add host time, forward and as backward nodes.
-        return ops.apply_mrope(
-            q, k, cos, sin.inv_freq, sin.mrope_section, sin.interleaved, sin.attention_scaling,
-            heads_first=unsqueeze_dim == 1,
-        )  # fmt: skip
+        return ops.apply_mrope(q, k, *rope_args, heads_first=heads_first)
 
     apply_rotary_pos_emb.original = original
     return apply_rotary_pos_emb
+
+
+def _in_place_targets(q, k, heads_first: bool):
+    """Partial rotary (Qwen3.5: 64 of 256 lanes) in place where that is exact and cheaper: ((q', k'), heads_first')
+    to rotate in place, or None for the out-of-place call. Eager autograd only (a traced graph keeps the out-of-place
+    op; without grad mode the caller's tensors are left as they are). Each of q, k must be the output of an
+    autograd-tracked op, or transformers' (B, H, S, D) transpose of one, whose (B, S, H, D) base is then rotated:
+    autograd rebases an in-place write to a view by copying the whole gradient in backward, which would cost more
+    than the lanes saved. transformers' attention rebinds q and k to the rope's results, and an op that saved the
+    tensor for its backward makes autograd raise at the write (mark_dirty), so no gradient is silently wrong."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return None
+    tracked = [_tracked_target(x, heads_first) for x in (q, k)]
+    if None in tracked or tracked[0][1] != tracked[1][1]:
+        return None
+    return (tracked[0][0], tracked[1][0]), tracked[0][1]
+
+
+def _tracked_target(x: torch.Tensor, heads_first: bool):
+    """(tensor, heads_first) to rotate in place for `x`, or None (see `_in_place_targets`)."""
+    base = x._base
+    if base is None:
+        return (x, heads_first) if x.grad_fn is not None else None
+    if not heads_first or base.grad_fn is None or base.dim() != 4:
+        return None
+    as_base = base.transpose(1, 2)
+    same_view = as_base.shape == x.shape and as_base.stride() == x.stride()
+    return (base, False) if same_view and as_base.storage_offset() == x.storage_offset() else None
 
 
 def _make_vision_apply(original):

@@ -56,16 +56,18 @@ def apply_mrope_reference(
     attention_scaling: float = 1.0,
     *,
     heads_first: bool = False,
+    inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Text mRoPE. q (T, Hq, D) or (B, S, Hq, D), or (B, Hq, S, D) with heads_first; k the same leading dims with Hk
     heads; positions int (3, T) or (3, B, S); inv_freq fp32 (R/2,) with R <= D; lanes [R, D) pass through. Returns
-    (q_out, k_out) in q/k dtype and layout."""
+    (q_out, k_out) in q/k dtype and layout; with inplace, q and k themselves, rotated (autograd records the copy)."""
     angles = mrope_angles(positions, inv_freq, mrope_section, interleaved)
     emb = torch.cat((angles, angles), dim=-1).unsqueeze(-2)  # (*lead, 1, R)
     cos, sin = emb.cos() * attention_scaling, emb.sin() * attention_scaling
     if heads_first:
         cos, sin = cos.transpose(-3, -2), sin.transpose(-3, -2)  # (B, 1, S, R)
-    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    q_out, k_out = _rotate(q, cos, sin), _rotate(k, cos, sin)
+    return (q.copy_(q_out), k.copy_(k_out)) if inplace else (q_out, k_out)
 
 
 def apply_vision_rope_reference(

@@ -353,19 +353,21 @@ class LaunchPlan(NamedTuple):
 @functools.lru_cache(maxsize=1024)
 def launch_plan(
     q_shape, q_strides, k_shape, k_strides, q_out_strides, k_out_strides, position_strides, dtypes,
-    half, layout, sections, scaling, conjugate, block_t=None, num_warps=None,
+    half, layout, sections, scaling, conjugate, block_t=None, num_warps=None, in_place=False,
 ):  # fmt: skip
     """The `_rope_kernel` plan of one input signature, derived once: q, q_out (T, Hq, D) or (B, S, Hq, D) shape and
     strides; k, k_out likewise; the dtypes of (q, k, q_out, k_out, positions, inv_freq), for which the plan's
     kernels are compiled; half = len(inv_freq) = R/2; scaling: a float (an int would be specialized by the JIT,
-    == 1 even becomes a constexpr). Every argument is a shape, stride, dtype or flag, so the plan is exact for any
-    tensors that share them. `rope_launch` looks it up per call; `mrope_kernels.ops` keeps the plans it uses."""
+    == 1 even becomes a constexpr). in_place: q_out is q and k_out is k, so lanes [R, D) already hold their values
+    and only the R rotary lanes are read and written. Every argument is a shape, stride, dtype or flag, so the plan is
+    exact for any tensors that share them. `rope_launch` looks it up per call; `mrope_kernels.ops` keeps the plans
+    it uses."""
     *lead, n_heads_q, head_dim = q_shape
     n_heads_k = k_shape[-2]
     seq_len = lead[-1]
     n_tokens = seq_len * (lead[0] if len(lead) == 2 else 1)
     rotary_dim = 2 * half
-    copy_pass = rotary_dim < head_dim
+    copy_pass = rotary_dim < head_dim and not in_place
     block_half = triton.next_power_of_2(half)
     block_pass = triton.next_power_of_2(max(head_dim - rotary_dim, 1))
     default_block_t, block_hq, block_hk, default_warps = default_launch_config(
@@ -493,7 +495,8 @@ def rope_launch(
     block_t: int | None = None,
     num_warps: int | None = None,
 ) -> None:
-    """Rotate text q, k into q_out, k_out (new tensors: lanes [R, D) are copied).
+    """Rotate text q, k into q_out, k_out: new tensors (lanes [R, D) are copied), or q and k themselves (q_out is q
+    and k_out is k: in place, only lanes [0, R) are read and written).
 
     q, q_out: (T, Hq, D) or (B, S, Hq, D); k, k_out: same leading dims, Hk heads; any strides with
     stride(-1) == 1; one dtype. positions: integer (3, T) / (3, B, S), any strides. inv_freq: fp32 contiguous
@@ -503,7 +506,7 @@ def rope_launch(
     plan = launch_plan(
         q.shape, q.stride(), k.shape, k.stride(), q_out.stride(), k_out.stride(), positions.stride(),
         (q.dtype, k.dtype, q_out.dtype, k_out.dtype, positions.dtype, inv_freq.dtype), inv_freq.shape[0], layout,
-        sections, float(scaling), conjugate, block_t, num_warps,
+        sections, float(scaling), conjugate, block_t, num_warps, q_out is q and k_out is k,
     )  # fmt: skip
     launch(plan, q, k, q_out, k_out, positions, inv_freq)
 

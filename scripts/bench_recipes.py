@@ -287,7 +287,7 @@ def report(benches: list[Bench], units: list[Unit], state: State, work: Path, ar
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--stage", choices=[*STAGES, "all"], default="all", help="which recipes (module docstring)")
-    parser.add_argument("--recipes", default=None, help="comma list of recipe names of the stage (default: all)")
+    parser.add_argument("--recipes", default=None, help="comma list of the stage's recipe names, run in this order")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)} to run")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     parser.add_argument("--warmup", type=int, default=10, help="steps left out of the throughput (compile, allocator)")
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         unknown = sorted(set(names) - {b.name for b in benches})
         if unknown:
             raise ConfigError(f"--recipes: {unknown} not in stage {args.stage}: {[b.name for b in benches]}.")
-        benches = [b for b in benches if b.name in names]
+        benches = [next(b for b in benches if b.name == name) for name in dict.fromkeys(names)]  # in --recipes order
     variants = tuple(args.variants.split(","))
     if not variants or not set(variants) <= set(VARIANTS):
         raise ConfigError(f"--variants {args.variants!r}: choose from {', '.join(VARIANTS)}.")

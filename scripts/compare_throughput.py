@@ -62,6 +62,9 @@ Variants (train.py overrides they set):
   bf16-compiled  bf16-weights and compiled together, the fastest measured setup on one GPU — only without
            --launcher, as bf16-weights
   shipped  nothing: the recipe as it ships, its `auto` settings resolved for the machine (trainer/defaults.py)
+  shipped-unfused  kernels.mrope=unfused and nothing else: as shipped with transformers' rope, which the compiled
+           blocks then compile too; beside `shipped`, what the fused kernels buy a user who launches the recipe
+           (`make compare VARIANTS=shipped,shipped-unfused`)
   eager-fp32  train.compile=false, kernels.patch_embed=conv, train.master_weights=module, data.num_workers=2: eager
            fp32 module weights, the baseline the shipped defaults are measured against
   Every variant but bf16-weights, bf16-compiled and shipped sets train.master_weights=module; every one but
@@ -109,6 +112,7 @@ VARIANT_OVERRIDES = {
         "train.master_weights": "optimizer",
     },
     "shipped": {},
+    "shipped-unfused": {"kernels.mrope": "unfused"},
     "eager-fp32": {**EAGER, **FP32_MODULE, "data.num_workers": "2"},
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
@@ -212,7 +216,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--variants", default="fused,unfused", help="comma list of: " + ", ".join(VARIANT_OVERRIDES))
     parser.add_argument("--repeats", type=int, default=3, help="runs per variant, alternating A B A B ... (>= 1)")
     parser.add_argument(
-        "--baseline", default=None, help="variant the ratios divide by (default: unfused, else the first)"
+        "--baseline",
+        default=None,
+        help="variant the ratios divide by (default: unfused, else shipped-unfused, else the first)",
     )
     parser.add_argument("--out", default=None, help="output directory (default: artifacts/compare/<recipe name>)")
     parser.add_argument("--group", default=None, help="wandb group (default: compare-<recipe>-<UTC time>)")
@@ -435,6 +441,11 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
         )
         named["fused repeats |dloss|, every pair"] = rows["fused"]["dloss_repeat_pairs"]
         named["unfused repeats |dloss|, every pair"] = rows["unfused"]["dloss_repeat_pairs"]
+    if "shipped" in rows and "shipped-unfused" in rows:
+        named["shipped fused/unfused tokens/s"] = _ratio(rows["shipped"], rows["shipped-unfused"])
+        named["shipped fused vs unfused max |dloss|"] = max_abs_loss_gap(
+            by_name["shipped"][0], by_name["shipped-unfused"][0]
+        )
     if "fused" in rows and "padded" in rows:
         named["packed/padded tokens/s"] = _ratio(rows["fused"], rows["padded"])
     if "fused" in rows and "compiled" in rows:
@@ -541,7 +552,7 @@ def main(argv: list[str] | None = None) -> dict:
     variants, left_out = select_variants(args.variants, model_type, args.launcher)
     for name, reason in left_out.items():
         print(f"[compare] variant {name} left out: {reason}", flush=True)
-    baseline = args.baseline or ("unfused" if "unfused" in variants else variants[0])
+    baseline = args.baseline or next((v for v in ("unfused", "shipped-unfused") if v in variants), variants[0])
     if baseline not in variants:
         raise ConfigError(f"--baseline {baseline} is not among the variants run ({', '.join(variants)}).")
     steps = args.steps or cfg.train.max_steps

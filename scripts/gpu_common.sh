@@ -1,6 +1,6 @@
-# Sourced by the scripts/gpu_*.sh runners: environment, our GPU hosts' own setup (scripts/gpu_env.sh), and `step`, which runs one stage with its own
-# time limit, logs it to $OUT/NAME.log and records its exit status in $OUT/status.txt (a failing stage does not stop
-# the others). Expects OUT to be set.
+# Sourced by the scripts/gpu_*.sh runners: environment, our GPU hosts' own setup (scripts/gpu_env.sh), and `step`,
+# which runs one stage with its own time limit, logs it to $OUT/NAME.log and records its exit status in
+# $OUT/status.txt (a failing stage does not stop the others). Expects OUT to be set.
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True

@@ -154,6 +154,19 @@ def test_ratios_and_loss_gaps_follow_the_baseline():
     assert not compare.same_data(shifted, results[1])
 
 
+def test_shipped_pair_differs_only_in_the_rope_and_names_its_ratio():
+    """shipped-unfused is the recipe as shipped with transformers' rope and nothing else changed; beside shipped its
+    fused/unfused ratio and loss gap are named, and it is the default baseline when no eager unfused run is there."""
+    assert compare.VARIANT_OVERRIDES["shipped-unfused"] == {"kernels.mrope": "unfused"}
+    results = [
+        _result("shipped", [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], 130.0),
+        _result("shipped-unfused", [5.0, 4.05, 3.0], [0.9, 0.8, 0.9], 100.0),
+    ]
+    ratios = compare.compare(results, "shipped-unfused", warmup=1)["ratios"]
+    assert ratios["shipped fused/unfused tokens/s"]["median"] == pytest.approx(1.3)
+    assert ratios["shipped fused vs unfused max |dloss|"] == pytest.approx(0.05)
+
+
 def test_one_variant_is_measured_alone(tmp_path):
     """A single variant (its repeats' spread, no peer) gets its row, table and plot. Its step time is train.py's
     timed wall time over its timed steps (summary.json), whatever the log interval; the plot draws tokens/s where
@@ -312,12 +325,12 @@ def test_variant_selection_refuses_bad_requests():
 
 def test_bf16_weights_variant_differs_from_fused_only_in_where_the_masters_live():
     """bf16-weights is the fused variant with train.master_weights=optimizer, bf16-compiled the compiled one (every
-    other variant but shipped, which leaves the recipe's auto, sets module, and a user override of the key is
+    other variant but the shipped pair, which leave the recipe's auto, sets module, and a user override of the key is
     refused); both are left out under --launcher (one process only); a tokens/s ratio and loss gap are named
     against fused."""
     bf16, fused = compare.VARIANT_OVERRIDES["bf16-weights"], compare.VARIANT_OVERRIDES["fused"]
     assert {k: v for k, v in bf16.items() if fused[k] != v} == {"train.master_weights": "optimizer"}
-    variants = {n: v for n, v in compare.VARIANT_OVERRIDES.items() if n != "shipped"}
+    variants = {n: v for n, v in compare.VARIANT_OVERRIDES.items() if not n.startswith("shipped")}
     on_bf16 = {n for n, v in variants.items() if v["train.master_weights"] == "optimizer"}
     assert on_bf16 == {"bf16-weights", "bf16-compiled"}
     assert {v["train.master_weights"] for n, v in variants.items() if n not in on_bf16} == {"module"}
@@ -343,7 +356,7 @@ def test_eager_variants_pin_what_the_shipped_defaults_change():
     """Every variant but the compiled ones and shipped runs eager with the Conv3d patch embedding whatever the
     defaults resolve to; eager-fp32 is that eager fp32-module path with two loader workers, the baseline of
     scripts/bench_recipes.py."""
-    compiled = {"compiled", "bf16-compiled", "shipped"}
+    compiled = {"compiled", "bf16-compiled", "shipped", "shipped-unfused"}
     for name, overrides in compare.VARIANT_OVERRIDES.items():
         if name not in compiled:
             assert overrides["train.compile"] == "false" and overrides["kernels.patch_embed"] == "conv", name

@@ -588,6 +588,49 @@ def test_heads_first_rotates_transformers_layout_as_is():
         apply_mrope(q[0], k[0], positions[:, 0], inv_freq, [8, 12, 12], heads_first=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("heads_first", [False, True], ids=["bshd", "bhsd"])
+def test_in_place_partial_rotary_equals_out_of_place(dtype, heads_first):
+    """inplace=True (Qwen3.5's partial rotary: 16 of 48 lanes here) rotates q and k themselves: the returned tensors
+    are the inputs' storage, bit for bit the out-of-place result in the forward (the pass-through lanes keep their
+    values) and in both gradients; autograd sees the write (the version counter moves)."""
+    torch.manual_seed(11)
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, 16, 2, device=DEVICE).float() / 16))
+    positions = text_positions((2, 5), 5000)
+    shape_q, shape_k = ((2, 3, 5, 48), (2, 1, 5, 48)) if heads_first else ((2, 5, 3, 48), (2, 5, 1, 48))
+    q_leaf = torch.randn(shape_q, device=DEVICE, dtype=dtype, requires_grad=True)
+    k_leaf = torch.randn(shape_k, device=DEVICE, dtype=dtype, requires_grad=True)
+    grads = (torch.randn(shape_q, device=DEVICE, dtype=dtype), torch.randn(shape_k, device=DEVICE, dtype=dtype))
+    args = (positions, inv_freq, [3, 3, 2], True)
+    want = apply_mrope(q_leaf, k_leaf, *args, heads_first=heads_first)
+    want_grads = torch.autograd.grad(want, (q_leaf, k_leaf), grads)
+    q, k = q_leaf * 1, k_leaf * 1
+    version, pointers = q._version, (q.data_ptr(), k.data_ptr())
+    got = apply_mrope(q, k, *args, heads_first=heads_first, inplace=True)
+    assert (got[0].data_ptr(), got[1].data_ptr()) == pointers and q._version > version
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got_grads = torch.autograd.grad(got, (q_leaf, k_leaf), grads)
+    assert torch.equal(got_grads[0], want_grads[0]) and torch.equal(got_grads[1], want_grads[1])
+
+
+def test_in_place_refuses_what_would_make_a_gradient_wrong(monkeypatch):
+    """In place on a leaf that requires grad raises, so does the backward of an op whose saved output the rope
+    overwrote (autograd's version check), and under torch.compile inplace=True is refused by name."""
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, 16, 2, device=DEVICE).float() / 16))
+    positions = text_positions((4,), 100)
+    q = torch.randn(4, 2, 48, device=DEVICE, requires_grad=True)
+    k = torch.randn(4, 1, 48, device=DEVICE, requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf"):
+        apply_mrope(q, k, positions, inv_freq, [3, 3, 2], True, inplace=True)
+    q_saved, k_saved = q.exp(), k.exp()  # exp saves its output for its backward
+    out = apply_mrope(q_saved, k_saved, positions, inv_freq, [3, 3, 2], True, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(out[0].sum() + out[1].sum(), (q, k))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match=r"apply_mrope\(inplace=True\) runs eagerly only"):
+        apply_mrope(q * 1, k * 1, positions, inv_freq, [3, 3, 2], True, inplace=True)
+
+
 def test_second_order_gradients_are_refused_not_silently_wrong():
     """The kernel's backward is not differentiable: differentiating through it again raises instead of returning a
     gradient that silently lacks its second-order terms."""

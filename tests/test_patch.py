@@ -349,6 +349,37 @@ def test_text_dispatcher_rotates_transformers_layout_in_one_autograd_node():
     assert q_leaf.variable is q and k_leaf.variable is k
 
 
+def test_text_dispatcher_rotates_partial_rotary_in_place_on_the_projections_base():
+    """Partial rotary (Qwen3.5) in a training forward: transformers' (B, H, S, D) transposes of autograd-tracked
+    (B, S, H, D) tensors rotate in place on those bases, returned in the callers' layout, with the out-of-place
+    call's values and gradients; leaves (a caller's own tensors) and grad-free calls rotate out of place and leave
+    the inputs as they were."""
+    torch.manual_seed(12)
+    apply = patch_module._make_text_apply(None)
+    positions = torch.randint(0, 100, (3, 2, 7))
+    inv_freq = 1.0 / (1e7 ** (torch.arange(0, 16, 2).float() / 16))
+    rope_args = patch_module.MRopeArgs(inv_freq, (3, 3, 2), True, 1.0)
+    q_leaf = torch.randn(2, 7, 4, 48, requires_grad=True)
+    k_leaf = torch.randn(2, 7, 2, 48, requires_grad=True)
+    grads = (torch.randn(2, 4, 7, 48), torch.randn(2, 2, 7, 48))
+    q_in, k_in = q_leaf.detach().transpose(1, 2).requires_grad_(), k_leaf.detach().transpose(1, 2).requires_grad_()
+    before = (q_in.detach().clone(), k_in.detach().clone())
+    want = apply(q_in, k_in, positions, rope_args)
+    assert torch.equal(q_in, before[0]) and torch.equal(k_in, before[1]), "a caller's leaves were modified"
+    with torch.no_grad():
+        apply(q_in, k_in, positions, rope_args)
+    assert torch.equal(q_in, before[0]) and torch.equal(k_in, before[1]), "a grad-free call modified its inputs"
+    want_grads = torch.autograd.grad(want, (q_in, k_in), grads)
+    q_base, k_base = q_leaf * 1, k_leaf * 1
+    got = apply(q_base.transpose(1, 2), k_base.transpose(1, 2), positions, rope_args)
+    assert got[0].data_ptr() == q_base.data_ptr() and got[0].stride() == q_in.stride()
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got_grads = torch.autograd.grad(got, (q_leaf, k_leaf), grads)
+    assert torch.equal(got_grads[0], want_grads[0].transpose(1, 2)) and torch.equal(
+        got_grads[1], want_grads[1].transpose(1, 2)
+    )
+
+
 @pytest.mark.parametrize("family", tiered(FAMILIES, fast=FAST_FAMILIES))
 def test_vl_model_and_text_model_patch_alone(tiny_model, family, reference_ops):
     """patch_model works on the VL Model (text + vision) and on the text-only model (text rotary and function
