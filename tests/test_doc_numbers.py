@@ -1,5 +1,5 @@
-"""Every measured number in a README table row that links result files is held by one of those files: a number
-whose JSON was never committed, was left out of docs/results, or says something else fails here."""
+"""Every measured number in a table row of the README or docs/*.md that links result files is held by one of those
+files: a number whose JSON was never committed, was left out of docs/results, or says something else fails here."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULT_LINK = re.compile(r"\]\((docs/results/[^)\s]+\.json)\)")
+RESULT_LINK = re.compile(r"\]\(((?:docs/)?results/[^)\s]+\.json)\)")  # from the README or from docs/
 # A measured number as the tables write it: decimals (1.085, 48.0, 0.88) or thousands (22,881); a count, a model
 # size (3.75B) or a name (Qwen3.5, 16k, H200) is not one.
 MEASURED = re.compile(r"(?<![\w./-])(\d{1,3}(?:,\d{3})+|\d+\.\d+)(?![\w.])")
@@ -61,9 +61,9 @@ def holds(text: str, grouped: dict[str, list[float]]) -> bool:
     return False
 
 
-def unheld_numbers(markdown: str, root: Path = ROOT) -> list[str]:
-    """'number: row' for each measured number of a table row that links result files and is held by none of them
-    (the row's first cell, its label, is not checked)."""
+def unheld_numbers(markdown: str, base: Path = ROOT) -> list[str]:
+    """'number: row' for each measured number of a table row that links result files (relative to `base`, the
+    markdown's folder) and is held by none of them (the row's first cell, its label, is not checked)."""
     missing = []
     for line in markdown.splitlines():
         links = RESULT_LINK.findall(line) if line.startswith("|") else []
@@ -71,7 +71,7 @@ def unheld_numbers(markdown: str, root: Path = ROOT) -> list[str]:
             continue
         grouped: dict[str, list[float]] = defaultdict(list)
         for link in links:
-            for key, values in numeric_values(json.loads((root / link).read_text())).items():
+            for key, values in numeric_values(json.loads((base / link).read_text())).items():
                 grouped[key] += values
         cells = RESULT_LINK.sub("]", line).split("|")[2:]
         for number in MEASURED.findall("|".join(cells)):
@@ -80,9 +80,13 @@ def unheld_numbers(markdown: str, root: Path = ROOT) -> list[str]:
     return missing
 
 
-def test_readme_table_numbers_are_held_by_their_result_files():
-    """Each measured number of a README table row with result links is in one of the row's JSONs."""
-    assert not unheld_numbers((ROOT / "README.md").read_text())
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: path.name)
+def test_table_numbers_are_held_by_their_result_files(doc):
+    """Each measured number of a table row with result links is in one of the row's JSONs."""
+    assert not unheld_numbers(doc.read_text(), doc.parent)
 
 
 def test_a_number_no_result_file_holds_is_reported(tmp_path):
