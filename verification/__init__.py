@@ -5,4 +5,8 @@ lifecycle/ and trainer/ never import this).
 `routing_pin`: MoE top-k choices recorded per sample and replayed in the packed run, for that comparison.
 `launch`: train.py runs in their own processes with their logs, killed with their process trees on timeout (the
 comparison and parity scripts, the multi-process tests).
+`provenance`: what every result file records (commit or source digest, date, GPU, library versions).
+`varlen_reference`: the GPU's varlen attention call computed per segment on any device, for the CPU tests.
+`curve_spread`: the exact test of a layout's loss curves against the default path's run-to-run spread
+(scripts/curve_spread.py).
 """
