@@ -35,7 +35,7 @@ from pathlib import Path
 import psutil
 
 from data.processing import RECORD_JSON_COLUMN, SampleProcessor
-from scripts.make_llava_records import write_llava_records
+from verification.bench_data import write_llava_records
 from verification.provenance import provenance
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ from data.pipeline import (
     step_vision_kinds,
 )
 from data.processing import PROCESSED_FEATURES
-from scripts.make_llava_records import write_llava_records
+from verification.bench_data import write_llava_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -165,8 +165,9 @@ def test_on_error_raise_names_the_first_bad_row(tmp_path):
 
 
 def test_generated_records_are_reproducible_varied_and_trainable(tmp_path):
-    """scripts/make_llava_records.py writes the same files for the same arguments; its records share the image
-    pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely varied length."""
+    """write_llava_records (scripts/make_llava_records.py) writes the same files for the same arguments; its records
+    share the image pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely
+    varied length."""
     path = write_llava_records(tmp_path / "a", 120, images=8, seed=1)
     assert write_llava_records(tmp_path / "b", 120, images=8, seed=1).read_bytes() == path.read_bytes()
     assert sorted(p.name for p in (tmp_path / "a" / "images").iterdir()) == [f"pool_{i:05d}.png" for i in range(8)]
@@ -298,7 +299,7 @@ MEMORY_PROBE = """
 import resource, sys
 from core.families import hf_config
 from data.pipeline import build_data, load_processor
-from scripts.inspect_data import epoch_totals
+from verification.plan_totals import epoch_totals
 from core.config import load_config
 
 if __name__ == "__main__":

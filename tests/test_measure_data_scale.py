@@ -7,9 +7,9 @@ import sys
 from core.config import load_config
 from core.families import hf_config
 from data import pipeline, processing
-from scripts.inspect_data import epoch_totals
-from scripts.make_llava_records import write_llava_records
 from scripts.measure_data_scale import RECIPE, prebuild, repeated_records, run_measured
+from verification.bench_data import write_llava_records
+from verification.plan_totals import epoch_totals
 
 
 def test_peak_memory_of_a_command_is_sampled(tmp_path):

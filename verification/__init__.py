@@ -9,4 +9,6 @@ comparison and parity scripts, the multi-process tests).
 `varlen_reference`: the GPU's varlen attention call computed per segment on any device, for the CPU tests.
 `curve_spread`: the exact test of a layout's loss curves against the default path's run-to-run spread
 (scripts/curve_spread.py).
+`bench_data`: the datasets the measurements write (LLaVA records at scale, long samples).
+`plan_totals`: one epoch's planned packs, tokens and per-row counts, summed from the arrow columns.
 """
