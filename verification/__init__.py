@@ -11,4 +11,6 @@ comparison and parity scripts, the multi-process tests).
 (scripts/curve_spread.py).
 `bench_data`: the datasets the measurements write (LLaVA records at scale, long samples).
 `plan_totals`: one epoch's planned packs, tokens and per-row counts, summed from the arrow columns.
+`data_scale`: a command's wall time and sampled peak memory, and the repeated-records data with its cache prebuilt
+(scripts/measure_data_scale.py).
 """
