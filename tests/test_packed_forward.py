@@ -2,7 +2,9 @@
 
 import inspect
 import itertools
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,6 +33,7 @@ from verification.packing_check import (
     samples_from_batch,
 )
 
+ROOT = Path(__file__).resolve().parents[1]
 FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
@@ -510,51 +513,45 @@ def test_samples_from_batch_inverts_pack_samples(tiny_samples, tiny_model):
             assert (expected is None and got is None) or torch.equal(expected, got), name
 
 
-def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
-    """scripts/verify_packing.py on a tiny recipe's own data pipeline (its collator's positions and boundaries)
-    exits 0 and prints one row per pack."""
-    from scripts import verify_packing
+def verify_packing_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m scripts.verify_packing ARGS` from the repository root, its output captured as text."""
+    command = [sys.executable, "-m", "scripts.verify_packing", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
 
+
+def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path):
+    """`python -m scripts.verify_packing` on a tiny recipe's own data pipeline (its collator's positions and
+    boundaries) exits 0 and prints one row per pack."""
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    status = verify_packing.main(
-        ["--config", "recipes/tiny-qwen3_5.yaml", "--packs", "2", "--rope", "unfused", *overrides]
-    )
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert out.count("\nunfused ") == 2 and "PASS" in out
+    done = verify_packing_cli("--config", "recipes/tiny-qwen3_5.yaml", "--packs", "2", "--rope", "unfused", *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("\nunfused ") == 2 and "PASS" in done.stdout
 
 
 @pytest.mark.slow
-def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path, capsys):
+def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path):
     """On a LoRA recipe, scripts/verify_packing.py applies the recipe's adapters (B drawn at random) and compares their
     gradients, the only trained ones, packed vs per sample: it passes and names an adapter as the worst gradient."""
-    from scripts import verify_packing
-
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    args = ["--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides]
-    status = verify_packing.main(args)
-    out = capsys.readouterr().out
-    assert status == 0, out
-    row = next(line for line in out.splitlines() if line.startswith("unfused "))
-    assert ".lora_" in row and "PASS" in out
+    done = verify_packing_cli("--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("unfused "))
+    assert ".lora_" in row and "PASS" in done.stdout
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
 @pytest.mark.slow
-def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
+def test_verify_packing_script_passes_with_videos(tmp_path, family):
     """scripts/verify_packing.py on a tiny recipe with a video-heavy built-in dataset (frame-list videos through
     the real pipeline: Qwen2.5-VL's second_per_grid_ts, Qwen3 timestamps, MoE routing, Gated DeltaNet) passes in
     fp32, fused rope, and its pack holds videos (test_packed_videos_equal_per_sample covers all six families)."""
-    from scripts import verify_packing
-
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=12", "data.video_share=0.7", "packing.max_tokens=384"]
-    status = verify_packing.main(
-        ["--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides]
+    done = verify_packing_cli(
+        "--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides
     )
-    out = capsys.readouterr().out
-    assert status == 0, out
-    row = next(line.split() for line in out.splitlines() if line.startswith("fused "))
-    assert int(row[3]) > 0, out  # videos in the pack
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("fused "))
+    assert int(row[3]) > 0, done.stdout  # videos in the pack
 
 
 def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
