@@ -13,4 +13,5 @@ comparison and parity scripts, the multi-process tests).
 `plan_totals`: one epoch's planned packs, tokens and per-row counts, summed from the arrow columns.
 `data_scale`: a command's wall time and sampled peak memory, and the repeated-records data with its cache prebuilt
 (scripts/measure_data_scale.py).
+`device_time`: a profiled step's device time by kernel category, busy time and idle gaps (scripts/profile_step.py).
 """
