@@ -167,7 +167,7 @@ def test_packed_equals_per_sample_with_gradient_checkpointing(tiny_samples, tiny
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
-def _leaking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def leaking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Text attention that ignores the pack (one causal window over all samples); vision stays per image."""
     kwargs.pop("packed_seqlens", None)
     if kwargs.get("cu_seq_lens_q") is not None:
@@ -180,7 +180,7 @@ def _leaking_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def _compare_with_leaking_attention(model, samples) -> PackingReport:
     enable_packed_forward(model)
-    AttentionInterface.register(PACKED_ATTENTION, _leaking_attention)
+    AttentionInterface.register(PACKED_ATTENTION, leaking_attention)
     try:
         return compare_packed_to_per_sample(model, samples)
     finally:
@@ -554,22 +554,26 @@ def test_verify_packing_script_passes_with_videos(tmp_path, family):
     assert int(row[3]) > 0, done.stdout  # videos in the pack
 
 
-def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
-    """The same CLI exits 1 and names the failing quantities when the packed attention leaks across samples."""
-    import modeling.packed as packed
-    from scripts import verify_packing
+LEAKING_CLI = """
+import runpy, sys
+import modeling.packed as packed
+from tests.test_packed_forward import leaking_attention
+packed.packed_attention_forward = leaking_attention  # what enable_packed_forward registers
+sys.argv[0] = "verify_packing"
+runpy.run_module("scripts.verify_packing", run_name="__main__")
+"""
 
+
+def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path):
+    """The same command line exits 1 and names the failing quantities when the packed attention leaks across samples
+    (the leak put in its place before the script runs)."""
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    monkeypatch.setattr(packed, "packed_attention_forward", _leaking_attention)  # what enable_packed_forward registers
-    try:
-        status = verify_packing.main(
-            ["--config", "recipes/tiny-qwen2_5_vl.yaml", "--packs", "1", "--rope", "unfused", *overrides]
-        )
-    finally:
-        AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    captured = capsys.readouterr()
-    assert status == 1, captured.out
-    assert "FAIL" in captured.out and "FAIL unfused pack 0: logits" in captured.err
+    args = ["--config", "recipes/tiny-qwen2_5_vl.yaml", "--packs", "1", "--rope", "unfused", *overrides]
+    done = subprocess.run(
+        [sys.executable, "-c", LEAKING_CLI, *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout and "FAIL unfused pack 0: logits" in done.stderr
 
 
 def test_label_loss_normalises_by_total_labels():
