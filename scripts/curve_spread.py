@@ -31,7 +31,6 @@ import json
 import sys
 from pathlib import Path
 
-from scripts.distributed_parity import NOISE_MULTIPLE
 from verification.curve_spread import (
     ALPHA,
     DEFAULT_LAYOUT,
@@ -42,6 +41,7 @@ from verification.curve_spread import (
     exact_test,
     verdict,
 )
+from verification.parity import NOISE_MULTIPLE
 from verification.provenance import provenance
 
 

@@ -9,7 +9,7 @@ import torch
 
 from mrope_kernels import ops
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
-from scripts.bench_mrope import (
+from verification.rope_bench import (
     Case,
     CopyFloor,
     check_targets,

@@ -14,4 +14,6 @@ comparison and parity scripts, the multi-process tests).
 `data_scale`: a command's wall time and sampled peak memory, and the repeated-records data with its cache prebuilt
 (scripts/measure_data_scale.py).
 `device_time`: a profiled step's device time by kernel category, busy time and idle gaps (scripts/profile_step.py).
+`rope_bench`, `cp_attention_bench`, `lora_bench`, `parity`: the benchmarks and the multi-GPU comparison whose command
+lines are scripts/bench_mrope.py, bench_cp_attention.py, bench_lora.py and distributed_parity.py.
 """
