@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test compare profile inspect-data verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test compare profile inspect-data estimate-memory verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -59,8 +59,11 @@ bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy 
 smoke-test:  ## set up if needed, then train the tiny model on the built-in data (one GPU with fused rope, else a smaller CPU run) and print a summary
 	$(PY) -m scripts.smoke_test $(ARGS)
 
-inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency
+inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency, memory estimate
 	$(PY) -m scripts.inspect_data --config $(CONFIG) $(ARGS)
+
+estimate-memory:  ## a recipe's memory per GPU before it runs, and which GPUs and overrides fit (ARGS="--gpus 2 ...")
+	$(PY) -m scripts.estimate_memory --config $(CONFIG) $(ARGS)
 
 verify-packing:  ## packed vs per-sample forward+backward on a recipe's model and data
 	$(PY) -m scripts.verify_packing --config $(CONFIG) $(ARGS)

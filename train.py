@@ -3,8 +3,10 @@
     python train.py --config recipes/smoke.yaml [dotted.key=value ...] [--resume]
     accelerate launch --config_file recipes/accelerate/ddp.yaml train.py --config recipes/qwen2_5_vl-3b.yaml
 
-`--resume` refuses settings that differ from the run's config.yaml where that breaks exactness (lifecycle/resume.py;
-`--allow-config-change` uses them anyway) and finishes whatever the run had not: steps, the export, summary.json.
+`--resume` finishes whatever the run had not: steps, the export, summary.json. It refuses settings that differ from
+the run's config.yaml where that breaks exactness (lifecycle/resume.py; `--allow-config-change` uses them anyway),
+passes over a checkpoint whose files no longer match its record to the newest one that does, and refuses one saved
+by another number of processes (lifecycle/trusted_resume.py; `--allow-world-size-change` continues it).
 One run holds a run directory at a time (lifecycle/run_lock.py). SIGTERM or SIGINT stops the run after the current
 step with a checkpoint and exit status 75 (lifecycle/preemption.py); docs/cluster.md shows a requeue script.
 
@@ -26,8 +28,8 @@ from core import distributed
 from core.config import load_config
 from core.config_tree import ConfigError
 from data.formats import DataError
-from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump
-from trainer import defaults, loop, metrics, optim, tracking
+from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump, trusted_resume
+from trainer import defaults, loop, memory_check, metrics, optim, tracking
 from trainer.setup import build_accelerator, build_training
 
 log = logging.getLogger("train")
@@ -41,6 +43,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         resume.ALLOW_FLAG,
         action="store_true",
         help="with --resume: use settings that differ from the run's config.yaml even where that breaks exactness",
+    )
+    parser.add_argument(
+        trusted_resume.ALLOW_WORLD_SIZE_FLAG,
+        action="store_true",
+        help="with --resume: continue a checkpoint saved by another number of processes (not bit-exact)",
     )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides, e.g. train.max_steps=50")
     return parser.parse_args(argv)
@@ -76,6 +83,7 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
         level = logging.INFO if accelerator.is_main_process else logging.WARNING
         logging.basicConfig(level=level, format="%(message)s")
+        memory_check.check(cfg, accelerator)  # before anything is built: a run that cannot fit stops in one line
         cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
         host = distributed.HostCollectives(accelerator)
         run_dir = prepare_run_dir(cfg)
@@ -86,7 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 return train_run(args, cfg, accelerator, host, run_dir, signals)
             except preemption.Preempted as stop:
-                stop.signal_name = signals.signal_name
+                # every rank stops together; on several machines the signal may have reached only some of them
+                stop.signal_name = next((name for name in host.gather(signals.signal_name) if name), None)
                 if accelerator.is_main_process:
                     record_stop(run_dir, stop.signal_name, stop.step, "stopped after a complete step")
                 distributed.finish(accelerator)
@@ -110,7 +119,10 @@ def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason
 
 def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.SignalWatch) -> dict:
     """The run in a locked run directory: resume → loop → export → summary; returns the summary."""
-    resume_from = checkpoint.resolve_resume(cfg.checkpoint.resume, run_dir)
+    # before anything is loaded: saved by as many processes (or allowed not to be), its files as recorded
+    resume_from = trusted_resume.choose(
+        cfg.checkpoint.resume, run_dir, host, accelerator.process_index, args.allow_world_size_change
+    )
     changes = resume.check_config(cfg, run_dir, resume_from is not None, args.allow_config_change)
     setup = build_training(cfg, accelerator)
     wandb_dir = tracking.start(accelerator, cfg, run_dir)
@@ -163,8 +175,16 @@ def cli(argv: list[str] | None = None) -> int | str:
         return f"config error: {error}"
     except DataError as error:
         return f"data error: {error}"
-    except (loop.NonFiniteError, distributed.LaunchError, run_lock.RunLockError, checkpoint.WriteError) as error:
+    except (
+        loop.NonFiniteError,
+        distributed.LaunchError,
+        run_lock.RunLockError,
+        checkpoint.WriteError,
+        trusted_resume.CheckpointError,
+    ) as error:
         return f"error: {error}"
+    except memory_check.MemoryFitError as error:
+        return f"error: {error}" if str(error) else 1
     except preemption.Preempted as stop:
         print(f"preempted: {stop}", file=sys.stderr)
         return preemption.EXIT_STATUS

@@ -127,6 +127,9 @@ class TrainConfig:
     # regional torch.compile of every decoder layer and ViT block (modeling/compile.py; the first step compiles);
     # "auto" = on with CUDA, off on the CPU (trainer/defaults.py)
     compile: bool | Literal["auto"] = "auto"
+    # before the model is built, compare the memory estimate (trainer/memory_estimate.py) with the device's: true =
+    # stop in one line, with the overrides that fit, when it cannot fit; "warn" = log that line and go on; false = skip
+    memory_check: bool | Literal["warn"] = True
 
     def validate(self) -> None:
         if self.lr <= 0:
@@ -164,6 +167,7 @@ class CheckpointConfig:
     save_final: bool = True  # a resumable checkpoint after the last step (bench-* recipes turn it off: no disk traffic)
     resume: str | None = None  # "latest" (this run's newest checkpoint, if any), a checkpoint dir, or null
     preempt_timeout_s: float = 30.0  # on SIGTERM/SIGINT: seconds to end the step, save and exit 75 (docs/cluster.md)
+    checksums: bool = True  # record each file's xxh3-128 in the COMPLETE marker, checked on resume (sizes always are)
 
     def validate(self) -> None:
         if self.every_steps < 0:

@@ -154,7 +154,10 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise ConfigError(f"override '{item}' conflicts with another override of '{part}'.")
-        node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        try:
+            node[parts[-1]] = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as error:
+            raise ConfigError(f"override '{item}' is not a valid YAML value: {_yaml_problem(error)}.") from None
     return nested
 
 
@@ -169,6 +172,26 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """The parser's problem and its context, on one line."""
+    problem = getattr(error, "problem", None) or str(error)
+    context = getattr(error, "context", None)
+    return " ".join(f"{problem}{f' ({context})' if context else ''}".split())
+
+
+def parse_yaml(path: Path) -> Any:
+    """The YAML document at `path` ({} when empty); ConfigError in one line when it is not valid YAML (file, line,
+    column and the parser's problem) or not UTF-8 text."""
+    try:
+        return yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)  # editors count from 1
+        raise ConfigError(f"recipe {where} is not valid YAML: {_yaml_problem(error)}.") from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"recipe {path} is not UTF-8 text (byte {error.start}).") from None
+
+
 def load(cls: type, path: str | Path | None, overrides: list[str] | None = None) -> Any:
     """Load recipe YAML at `path` (or only defaults when None), apply dotted overrides, build `cls`."""
     raw: dict[str, Any] = {}
@@ -176,7 +199,7 @@ def load(cls: type, path: str | Path | None, overrides: list[str] | None = None)
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"recipe '{path}' does not exist (recipes live in recipes/*.yaml).")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = parse_yaml(path)
         if not isinstance(raw, dict):
             raise ConfigError(f"recipe '{path}' must be a YAML mapping of sections, got {type(raw).__name__}.")
     raw = deep_merge(raw, parse_overrides(overrides or []))

@@ -150,3 +150,37 @@ def whole_groups(
             group = []
     if leftover is not None:
         leftover.add(pack for step in group for pack in step)
+
+
+@dataclass(frozen=True)
+class ConsumedSteps:
+    """The first `steps` micro-steps of an epoch's plan on another layout (`world_size` ranks, `grad_accum_steps`
+    micro-steps per optimizer step, `window_steps` = packing.balance_window_steps): what a run saved before it was
+    resumed on another number of processes."""
+
+    world_size: int
+    grad_accum_steps: int
+    window_steps: int
+    steps: int
+
+
+def packs_after(packs: Iterable[Pack], consumed: ConsumedSteps, vision_cost_weight: float, seed: int) -> Iterator[Pack]:
+    """The packs of one epoch (`packs`, in stream order) that the first `consumed.steps` micro-steps of the epoch's
+    plan on the consumed layout (`deal_steps` with `seed`, then `whole_groups`) did not take, in stream order.
+
+    Dealing the rest to another layout continues the epoch with no sample repeated or left out. Holds at most the
+    packs of one dealing window beyond those already taken."""
+    packs = iter(packs)
+    pending: dict[int, Pack] = {}  # drawn from `packs` by the old plan, not taken (yet), in stream order
+
+    def drawn() -> Iterator[Pack]:
+        for pack in packs:
+            pending[id(pack)] = pack
+            yield pack
+
+    dealt = deal_steps(drawn(), consumed.world_size, consumed.window_steps, vision_cost_weight, seed)
+    for _, step in zip(range(consumed.steps), whole_groups(dealt, consumed.grad_accum_steps), strict=False):
+        for pack in step:
+            del pending[id(pack)]
+    yield from pending.values()
+    yield from packs

@@ -12,6 +12,7 @@ had not seen yet.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import hashlib
 import json
@@ -39,7 +40,7 @@ from data.collate import Collator
 from data.config import DataConfig, PackingConfig
 from data.formats import DataError
 from data.image_files import files_signature, list_files
-from data.packing import Leftover, Pack, PackItem, deal_steps, pack_stream, whole_groups
+from data.packing import ConsumedSteps, Leftover, Pack, PackItem, deal_steps, pack_stream, packs_after, whole_groups
 from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.row_meta import (
     DataStats,
@@ -169,6 +170,10 @@ class StepLoader:
     step (too few for every rank, or for every micro-step) are left out, counted and logged once per epoch by rank 0.
     With `balance_window_steps = grad_accum_steps`, one rank accumulating N micro-steps sees the same packs per
     optimizer step as N ranks with one micro-step each and balance_window_steps=1.
+
+    A position saved on another number of ranks (a resume with --allow-world-size-change) carries over as the packs
+    it consumed: the rest of that epoch's packs are dealt to this loader's ranks (`carried`, data/packing.py's
+    `packs_after`), so no sample of the epoch is repeated or left out; the epochs after it are planned as usual.
     """
 
     def __init__(
@@ -198,6 +203,7 @@ class StepLoader:
         self.stats = stats  # the data stats, for a hint when an epoch is empty
         self.step_vision = step_vision  # batches (dicts) carry STEP_VISION: the micro-step's kinds over all ranks
         self.epoch, self.step_in_epoch = 0, 0
+        self.carried: list[ConsumedSteps] = []  # steps of `self.epoch` taken on other layouts, before step 0
         self._reported_epochs: set[int] = set()
         if num_workers > 0:
             worker_start_context()
@@ -222,7 +228,10 @@ class StepLoader:
         """The epoch's micro-steps: lists of world_size packs, index = rank, in whole groups of grad_accum_steps
         (one optimizer step each). Packs left out at the end are added to `leftover` once the steps are exhausted."""
         window, weight = self.packing.balance_window_steps, self.packing.vision_cost_weight
-        dealt = deal_steps(self.packs(epoch), self.world_size, window, weight, self.seed + epoch, leftover)
+        packs = self.packs(epoch)
+        for consumed in self.carried if epoch == self.epoch else []:
+            packs = packs_after(packs, consumed, weight, self.seed + epoch)
+        dealt = deal_steps(packs, self.world_size, window, weight, self.seed + epoch, leftover)
         return whole_groups(dealt, self.grad_accum_steps, leftover)
 
     def leftover(self, epoch: int) -> Leftover:
@@ -253,13 +262,14 @@ class StepLoader:
                     raise DataError(batch.message)
                 self.step_in_epoch += 1
                 yield batch
-            if self.epochs is None and yielded == self.step_in_epoch == 0:
+            # (an epoch carried over from another layout may have had all its packs taken there)
+            if self.epochs is None and yielded == self.step_in_epoch == 0 and not self.carried:
                 raise DataError(
                     f"an epoch has no batch for rank {self.rank} of {self.world_size}: {self._no_batch_hint()}"
                 )
             if self.rank == 0:
                 self._report_leftover(self.epoch, epoch_batches.leftover)
-            self.epoch, self.step_in_epoch = self.epoch + 1, 0
+            self.epoch, self.step_in_epoch, self.carried = self.epoch + 1, 0, []
 
     def _no_batch_hint(self) -> str:
         """Why an epoch may be empty and the fix, from the data stats when they show it."""
@@ -295,12 +305,42 @@ class StepLoader:
             )
 
     def state_dict(self) -> dict:
-        """Position in the data: the epoch and how many of its steps were consumed."""
-        return {"epoch": self.epoch, "step_in_epoch": self.step_in_epoch}
+        """Position in the data: the epoch, how many of its steps were consumed, and the layout they were planned
+        for (plus the steps of the epoch taken on other layouts before them)."""
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "world_size": self.world_size,
+            "grad_accum_steps": self.grad_accum_steps,
+            "balance_window_steps": self.packing.balance_window_steps,
+            "carried": [dataclasses.asdict(consumed) for consumed in self.carried],
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from `state`; one saved on another number of ranks continues the epoch with its remaining packs
+        (see the class docstring)."""
         self.epoch, self.step_in_epoch = int(state["epoch"]), int(state["step_in_epoch"])
-        if self.step_in_epoch % self.grad_accum_steps:  # saved with another grad_accum_steps
+        self.carried = [ConsumedSteps(**consumed) for consumed in state.get("carried", [])]
+        saved_world_size = int(state.get("world_size", self.world_size))
+        if saved_world_size != self.world_size:
+            if self.step_in_epoch:
+                consumed = ConsumedSteps(
+                    saved_world_size,
+                    int(state["grad_accum_steps"]),
+                    int(state["balance_window_steps"]),
+                    self.step_in_epoch,
+                )
+                self.carried.append(consumed)
+                logger.info(
+                    "%s loader: %d micro-steps of epoch %d were taken on %d ranks; its other packs go to %d ranks",
+                    self.name,
+                    self.step_in_epoch,
+                    self.epoch,
+                    saved_world_size,
+                    self.world_size,
+                )
+            self.step_in_epoch = 0
+        elif self.step_in_epoch % self.grad_accum_steps:  # saved with another grad_accum_steps
             logger.warning(
                 "%s loader resumes at micro-step %d of epoch %d, inside a group of grad_accum_steps=%d: until the "
                 "epoch ends, optimizer steps pair different micro-batches than an uninterrupted run would.",

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -277,7 +278,8 @@ def write_builtin_dataset(
     data_file = directory / "data.jsonl"
     if data_file.exists():
         return data_file
-    staging = directory.with_name(directory.name + f".tmp-{os.getpid()}")
+    # the host too: on a filesystem shared by nodes, their processes' pids repeat (containers)
+    staging = directory.with_name(directory.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "images").mkdir(parents=True)
     with open(staging / "data.jsonl", "w") as out:

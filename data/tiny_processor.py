@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -119,7 +120,8 @@ def load_or_build_tiny_processor(cache_root: str | os.PathLike, model_config: Pr
     """The cached tiny processor, built and saved first if missing; loaded back through AutoProcessor."""
     directory = tiny_processor_dir(cache_root, model_config)
     if not (directory / "processor_config.json").exists():
-        staging = directory.with_name(directory.name + f".tmp-{os.getpid()}")
+        # the host too: on a filesystem shared by nodes, their processes' pids repeat (containers)
+        staging = directory.with_name(directory.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
         build_tiny_processor(model_config).save_pretrained(staging)
         with contextlib.suppress(OSError):  # another process saved it first; same content
             staging.rename(directory)

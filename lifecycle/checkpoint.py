@@ -4,9 +4,11 @@ A checkpoint `<run dir>/checkpoints/step_00000100/` holds accelerate's `save_sta
 RNG of every rank) plus one `trainer_state_rank<r>.pt` per rank (optimizer step, that rank's data-loader position).
 A `COMPLETE` marker is written last, after every file is synced to disk (and removed first when pruning), so a run
 killed mid-save or mid-prune, or a node lost just after, never resumes from a torn checkpoint; a torn one is removed
-at the next save. The export `<run dir>/final/` is `save_pretrained` + the processor:
-`AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained` load it for inference. It is
-written to `final.partial/` and renamed, so `final/` exists only once complete and `--resume` redoes a killed one.
+at the next save. The marker records every file's size and checksum (lifecycle/checkpoint_manifest.py), which a
+resume checks before it trusts the checkpoint (lifecycle/trusted_resume.py). The export `<run dir>/final/` is
+`save_pretrained` + the processor: `AutoModelForImageTextToText.from_pretrained` and `AutoProcessor.from_pretrained`
+load it for inference. It is written to `final.partial/` and renamed, so `final/` exists only once complete and
+`--resume` redoes a killed one.
 
 A write that fails (a full disk or quota, an I/O error: torch.save and safetensors report them as RuntimeError and
 SafetensorError, not OSError) removes what it wrote, leaves every complete checkpoint as it was, and raises
@@ -32,6 +34,7 @@ from accelerate import Accelerator
 
 from core.config import CheckpointConfig, LoraConfig
 from core.distributed import HostCollectives
+from lifecycle import checkpoint_manifest
 from modeling import lora
 
 log = logging.getLogger(__name__)
@@ -60,20 +63,6 @@ def incomplete_dirs(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     dirs = checkpoint_dirs(run_dir)
     return dirs[-1] if dirs else None
-
-
-def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from: None (`checkpoint.resume` unset), the latest complete one in this run's
-    directory (`latest`; None when there is none yet, so a first launch and a relaunch share one command), or a
-    given checkpoint directory (an error when it is not a complete checkpoint)."""
-    if resume is None:
-        return None
-    if resume == "latest":
-        return latest_checkpoint(run_dir)
-    path = Path(resume)
-    if not (path / COMPLETE).is_file():
-        raise FileNotFoundError(f"checkpoint.resume={resume}: not a complete checkpoint directory (no {COMPLETE}).")
-    return path
 
 
 class WriteError(RuntimeError):
@@ -154,8 +143,8 @@ class Checkpointer:
         self.host = host
         self.estimate_nbytes = estimate_nbytes
 
-    def _state_file(self, directory: Path) -> Path:
-        return directory / f"trainer_state_rank{self.accelerator.process_index}.pt"
+    def _state_file(self, directory: Path, rank: int | None = None) -> Path:
+        return directory / f"trainer_state_rank{self.accelerator.process_index if rank is None else rank}.pt"
 
     def save(self, step: int, data_state: dict[str, Any], timing: dict[str, float]) -> Path:
         """Save everything after optimizer step `step`; `data_state` is this rank's loader `state_dict()`, `timing`
@@ -174,10 +163,13 @@ class Checkpointer:
         except Exception as error:  # every rank must reach the agreement below, whatever the write raised
             failure = write_failure("the checkpoint", directory, error, self._checkpoint_nbytes())
         self._agree_or_raise(failure, directory)
+        files = self._describe_files(directory)
         if main:
             try:
                 _sync_tree(directory)
-                (directory / COMPLETE).write_text(f"{step}\n")
+                (directory / COMPLETE).write_text(
+                    checkpoint_manifest.render(step, self.accelerator.num_processes, files)
+                )
                 _fsync(directory / COMPLETE)
                 _fsync(directory)
             except OSError as error:
@@ -189,6 +181,22 @@ class Checkpointer:
                 shutil.rmtree(old)
         self.accelerator.wait_for_everyone()
         return directory
+
+    def _describe_files(self, directory: Path) -> dict[str, dict]:
+        """Every file of the saved `directory` with its size and checksum, for the marker: the main process lists
+        them, every rank describes its share (checkpoint_manifest.share), and all of them get the whole record."""
+        sizes = self.host.gather(
+            checkpoint_manifest.checkpoint_files(directory, COMPLETE) if self.accelerator.is_main_process else None
+        )[0]
+        rank, size = self.accelerator.process_index, self.accelerator.num_processes
+        failure, entries = None, {}
+        try:
+            mine = checkpoint_manifest.share(sizes, rank, size)
+            entries = checkpoint_manifest.describe(directory, mine, self.cfg.checksums)
+        except OSError as error:
+            failure = write_failure("the checkpoint", directory, error, self._checkpoint_nbytes())
+        self._agree_or_raise(failure, directory)
+        return {path: entry for part in self.host.gather(entries) for path, entry in part.items()}
 
     def _checkpoint_nbytes(self) -> int:
         latest = latest_checkpoint(self.run_dir)
@@ -210,14 +218,15 @@ class Checkpointer:
 
     def load(self, directory: Path) -> tuple[int, dict[str, Any]]:
         """Restore model/optimizer/scheduler/RNG from `directory`; returns (step, this rank's trainer state:
-        "data", the loader position, and "timing", the throughput totals, where the checkpoint holds them)."""
+        "data", the loader position, and "timing", the throughput totals, where the checkpoint holds them).
+
+        A checkpoint of another number of processes (accepted by lifecycle/trusted_resume.py) gives a rank without
+        a state file of its own rank 0's: the data position is the same on every rank, and the timing totals are
+        only a rate's inputs. A rank without its RNG file keeps its seeded generators (accelerate logs it)."""
         self.accelerator.load_state(str(directory))
         state_file = self._state_file(directory)
         if not state_file.is_file():
-            raise FileNotFoundError(
-                f"{state_file} is missing: the checkpoint was written by a run with fewer processes. "
-                "Resume with the same number of processes."
-            )
+            state_file = self._state_file(directory, rank=0)
         state = torch.load(state_file, weights_only=False)
         return state["step"], state
 

@@ -21,8 +21,8 @@ log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"
 # Keys whose change leaves every step's math as it was: where the run writes and logs, how often it checkpoints or
 # evaluates, how far it goes (train.max_steps: the schedule then stretches to the new end), how data is fetched,
-# what is recomputed or compiled (train.compile: the same math, only inductor's fused rounding differs), what the
-# export holds (lora.merge_on_export).
+# what is recomputed or compiled (train.compile: the same math, only inductor's fused rounding differs), whether
+# the memory estimate is checked, what the export holds (lora.merge_on_export).
 SAFE_TO_CHANGE = (
     "logging.",
     "checkpoint.",
@@ -36,6 +36,7 @@ SAFE_TO_CHANGE = (
     "model.gradient_checkpointing_llm",
     "model.gradient_checkpointing_vision",
     "train.compile",
+    "train.memory_check",
     "lora.merge_on_export",
 )
 

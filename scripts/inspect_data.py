@@ -3,8 +3,9 @@
     python -m scripts.inspect_data --config recipes/tiny-qwen2_5_vl.yaml [dotted.key=value ...]
 
 Prints samples kept/skipped (count per reason, first examples), packs and pack efficiency (real tokens / budget),
-text vs image vs video tokens, image and video counts, ViT patches, and a few decoded samples with the label mask:
-trained (assistant) tokens in [[...]].
+text vs image vs video tokens, image and video counts, ViT patches, the memory estimate per GPU for one process beside
+the GPU memory it targets (scripts/estimate_memory.py), and a few decoded samples with the label mask: trained
+(assistant) tokens in [[...]].
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX
+from trainer.memory_check import fit_report, gpu_targets
 from verification.plan_totals import epoch_totals
 
 
@@ -93,6 +95,11 @@ def main() -> None:
         f"videos: {totals['videos']} in {totals['video_samples']} samples ({totals['video_temporal_patches']} temporal "
         f"patches, {totals['frames']} listed frames, {totals['video_patches']} ViT patches)"
     )
+
+    print()
+    print("\n".join(fit_report(cfg, 1, "none", True, gpu_targets())))
+    patches_per_pack = (totals["image_patches"] + totals["video_patches"]) / max(1, packs)
+    print(f"  (this data: {patches_per_pack:.0f} ViT patches per pack on average)")
 
     steps = train_loader.steps(0)
     batch = next(iter(train_loader))

@@ -42,6 +42,7 @@ class StubRuns:
         run_dir = Path(out_dir) / variant / f"run{repeat}"
         run_dir.mkdir(parents=True, exist_ok=True)
         loss, norm = STEP1[variant]
+        run_files.append_metrics(run_dir, {"step": 1, "first_step_s": 30.0 + repeat, "compile_s": 20.0})
         for index in range(1, steps + 1):
             record = {"step": index, "loss": loss - 0.01 * index, "grad_norm": norm, "pack_efficiency": 0.9}
             run_files.append_metrics(run_dir, record)
@@ -96,6 +97,7 @@ def test_report_has_every_number_the_recipe_table_needs(tmp_path, monkeypatch):
     assert (row["shipped"]["tokens_per_s_min"], row["shipped"]["tokens_per_s_max"]) == (151.0, 152.0)
     assert row["speedup_vs_eager_fp32"]["median"] == pytest.approx(151.5 / 101.5)
     assert row["shipped"]["mfu"] == 0.5 and row["shipped"]["peak_mem_gib"] == 80.0
+    assert (row["shipped"]["first_step_s"], row["shipped"]["compile_s"]) == (31.0, 20.0)
     step1 = row["step1"]
     assert step1["loss_absolute_gap"] == pytest.approx(0.003) and step1["grad_norm_relative_gap"] == pytest.approx(4e-3)
     assert step1["within_rule"] and row["meets"] == {"speedup": False, "mfu": True, "step1_rule": True}

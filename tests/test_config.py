@@ -4,6 +4,8 @@ combinations fail with how to fix them, and the resolved config round-trips thro
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -99,3 +101,41 @@ def test_cli_parses_config_overrides_and_resume():
     assert (args.config, args.overrides, args.resume) == (SMOKE, ["train.max_steps=5", "logging.report_to=none"], True)
     with pytest.raises(SystemExit):
         train.parse_args(["train.max_steps=5"])  # --config is required
+
+
+@pytest.mark.parametrize(
+    ("text", "position", "problem"),
+    [
+        ("train: {max_steps: 3, lr: [1, 2}\n", "2:32", "expected ',' or ']', but got '}'"),
+        ("model:\n  dtype: bfloat16\n dtype: float32\n", "4:2", "expected <block end>"),
+        ("train:\n\tmax_steps: 3\n", "3:1", "found character '\\t' that cannot start any token"),
+    ],
+)
+def test_a_recipe_that_is_not_valid_yaml_is_one_line_with_file_line_and_column(tmp_path, text, position, problem):
+    """A YAML syntax error (a flow list left open, a bad indent, a tab) is a ConfigError of one line naming the file,
+    the line and column as an editor counts them (from 1), and the parser's problem."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("# a recipe\n" + text)
+    line, column = position.split(":")
+    with pytest.raises(ConfigError) as error:
+        load_config(str(recipe))
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith(f"recipe {recipe}:{int(line)}:{column} is not valid YAML: {problem}")
+
+
+def test_train_py_prints_a_bad_recipe_and_a_bad_override_as_one_line(tmp_path):
+    """`python train.py` on an invalid recipe exits 1 with one line on stderr and no traceback; an override that is
+    not a YAML value is one line from train.cli too."""
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model:\n  dtype: bfloat16\ntrain: {max_steps: 3, lr: [1, 2}\n")
+    command = [sys.executable, "train.py", "--config", str(recipe)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip() == (
+        f"config error: recipe {recipe}:3:32 is not valid YAML: expected ',' or ']', but got '}}' (while parsing a "
+        "flow sequence)."
+    )
+    message = train.cli(["--config", SMOKE, "train.lr=[1,"])
+    assert isinstance(message, str) and "\n" not in message
+    assert message.startswith("config error: override 'train.lr=[1,' is not a valid YAML value: ")

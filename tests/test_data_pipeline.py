@@ -672,7 +672,8 @@ def test_resume_inside_an_accumulation_group_warns(cache, caplog):
         train.load_state_dict({"epoch": 0, "step_in_epoch": 3})
         assert not caplog.records
         train.load_state_dict({"epoch": 0, "step_in_epoch": 4})
-    assert train.state_dict() == {"epoch": 0, "step_in_epoch": 4}
+    position = train.state_dict()
+    assert (position["epoch"], position["step_in_epoch"], position["carried"]) == (0, 4, [])
     assert "inside a group of grad_accum_steps=3" in caplog.text
 
 

@@ -337,10 +337,11 @@ def test_text_dispatcher_rotates_transformers_layout_in_one_autograd_node():
     rope's own node, which leads straight to q's and k's leaves (no transpose before or after: each costs µs in the
     forward and is one more node in the backward)."""
     apply = patch_module._make_text_apply(None)
-    q = torch.randn(2, 7, 4, 64).transpose(1, 2).requires_grad_()
-    k = torch.randn(2, 7, 2, 64).transpose(1, 2).requires_grad_()
-    positions = torch.randint(0, 100, (3, 2, 7))
-    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2).float() / 64))
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel's device (CPU: under the interpreter)
+    q = torch.randn(2, 7, 4, 64, device=device).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 7, 2, 64, device=device).transpose(1, 2).requires_grad_()
+    positions = torch.randint(0, 100, (3, 2, 7), device=device)
+    inv_freq = 1.0 / (1e6 ** (torch.arange(0, 64, 2, device=device).float() / 64))
     out_q, out_k = apply(q, k, positions, patch_module.MRopeArgs(inv_freq, (8, 12, 12), True, 1.0))
     assert out_q.stride() == q.stride() and out_k.stride() == k.stride()
     node = out_q.grad_fn

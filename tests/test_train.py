@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -25,9 +26,10 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from core.config import load_config
 from core.config_tree import ConfigError
+from core.distributed import HostCollectives
 from data.collate import label_rows
 from data.pipeline import STEP_VISION
-from lifecycle import checkpoint
+from lifecycle import checkpoint, trusted_resume
 from modeling import parts
 from modeling.build import build_model
 from modeling.packed import enable_packed_forward
@@ -214,12 +216,13 @@ def test_checkpoints_are_complete_pruned_and_torn_ones_ignored(finished_run, tmp
     saved = checkpoint.checkpoint_dirs(out)
     assert [p.name for p in saved] == ["step_00000002", "step_00000004"]
     assert all((p / "trainer_state_rank0.pt").is_file() for p in saved)
+    host = HostCollectives(SimpleNamespace(num_processes=1))
     (out / "checkpoints" / "step_00000006").mkdir()
-    assert checkpoint.resolve_resume("latest", out) == saved[-1]
+    assert trusted_resume.choose("latest", out, host, rank=0) == saved[-1]
     (out / "checkpoints" / "step_00000006").rmdir()
-    assert checkpoint.resolve_resume("latest", tmp_path) is None
-    with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        checkpoint.resolve_resume(str(tmp_path), tmp_path)
+    assert trusted_resume.choose("latest", tmp_path, host, rank=0) is None
+    with pytest.raises(trusted_resume.CheckpointError, match="not a complete checkpoint"):
+        trusted_resume.choose(str(tmp_path), tmp_path, host, rank=0)
 
 
 def test_wandb_mode_follows_login(monkeypatch, tmp_path):

@@ -55,12 +55,19 @@ def resolve(cfg: Config, accelerator: Accelerator) -> Config:
 
 def _master_weights(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[str, str]:
     """train.master_weights for auto, and why."""
-    if accelerator.distributed_type == DistributedType.FSDP:
+    fsdp = accelerator.distributed_type == DistributedType.FSDP
+    return auto_master_weights(cfg.model.dtype, fsdp, accelerator.num_processes, on_cuda)
+
+
+def auto_master_weights(model_dtype: str, fsdp: bool, num_processes: int, on_cuda: bool) -> tuple[str, str]:
+    """train.master_weights=auto for a launch of `num_processes` processes (under FSDP2 or not) on CUDA or not, and
+    why (the module docstring's rule; trainer/memory_estimate.py applies it before any process starts)."""
+    if fsdp:
         return "module", "FSDP2 computes in bf16 on fp32 masters itself"
-    if accelerator.num_processes > 1:
+    if num_processes > 1:
         return "module", "DDP would reduce bf16 gradients in bf16"
     if not on_cuda:
         return "module", "no CUDA"
-    if cfg.model.dtype != "bfloat16":
-        return "module", f"model.dtype={cfg.model.dtype}"
+    if model_dtype != "bfloat16":
+        return "module", f"model.dtype={model_dtype}"
     return "optimizer", "one CUDA process, bfloat16"

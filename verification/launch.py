@@ -2,7 +2,7 @@
 it) on timeout, and the end of the log for the error message.
 
 Used by scripts/compare_throughput.py, scripts/distributed_parity.py and the multi-process tests; `free_port` gives
-a launcher's rendezvous port.
+a launcher's rendezvous port; `run_logged_together` runs the per-machine launchers of a multi-node job on one host.
 """
 
 from __future__ import annotations
@@ -150,6 +150,45 @@ def run_logged(
                     dump_stacks_then_kill(proc.pid, log)
                     proc.wait()
                     return Outcome(None, time.perf_counter() - start, hung_in_teardown)
+
+
+def run_logged_together(
+    commands: list[list[str]], log_paths: list[Path], timeout: float, env: dict[str, str] | None = None
+) -> list[Outcome]:
+    """Run `commands` at once (e.g. one launcher per machine of a multi-node job, on this host), each as `run_logged`
+    runs one, in a session of its own; after `timeout` s, the ones still running are killed with every process
+    under them, each after asking for its stacks. Their outcomes, in order."""
+    start = time.perf_counter()
+    deadline = time.monotonic() + timeout
+    logs = [path.open("w") for path in log_paths]
+    try:
+        procs = [
+            subprocess.Popen(
+                command,
+                cwd=ROOT,
+                env={**(env if env is not None else os.environ), **SAFE_COLLECTIVES_ENV},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            for command, log in zip(commands, logs, strict=True)
+        ]
+        outcomes: list[Outcome | None] = [None] * len(procs)
+        while None in outcomes:
+            for index, proc in enumerate(procs):
+                if outcomes[index] is None and proc.poll() is not None:
+                    outcomes[index] = Outcome(proc.returncode, time.perf_counter() - start)
+            if None in outcomes and time.monotonic() > deadline:
+                for index, proc in enumerate(procs):
+                    if outcomes[index] is None:
+                        dump_stacks_then_kill(proc.pid, logs[index])
+                        proc.wait()
+                        outcomes[index] = Outcome(None, time.perf_counter() - start)
+            time.sleep(0.2)
+        return outcomes
+    finally:
+        for log in logs:
+            log.close()
 
 
 def log_tail(log_path: Path, lines: int) -> str:
