@@ -66,7 +66,7 @@ RECORDS_PER_PROCESS = 256  # with fewer records per process, starting the proces
 ITEMS_PER_READ = 4096  # samples whose metadata the plan reads from the numpy arrays at once
 
 
-MAX_LOADER_WORKERS = 8  # collating 16k-token packs of 256-1024-token images keeps up with an H200 step at this many
+MAX_LOADER_WORKERS = 8  # the most loader workers `data.num_workers: null` starts per GPU process (docs/data.md)
 
 
 def cpu_cores() -> int:
@@ -474,7 +474,7 @@ def processing_processes(num_proc: int | None, records: int) -> int:
 
 
 @contextlib.contextmanager
-def _building(cache: str, source_fingerprint: str) -> Iterator[None]:
+def source_build_lock(cache: str, source_fingerprint: str) -> Iterator[None]:
     """Held while a process lists and processes one source: the other ranks of a node (and other runs sharing the
     cache) wait for it, then load what it wrote, instead of each building the same cache on every core at once."""
     os.makedirs(os.path.join(cache, "locks"), exist_ok=True)
@@ -490,7 +490,7 @@ def _building(cache: str, source_fingerprint: str) -> Iterator[None]:
         lock.release()
 
 
-def _processed(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
+def processed_records(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
     """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`."""
     return records.map(
         sample_processor,
@@ -503,7 +503,7 @@ def _processed(records: Dataset, sample_processor: SampleProcessor, fingerprint:
     )
 
 
-def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
+def in_memory_items(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
     """(train items, eval items, fetch) over the processed dataset; counts the records, kept and skipped, in
     `stats`."""
     # A fresh map's output: its arrow table is the rows in order (no indices mapping), memory-mapped from the cache.
@@ -639,11 +639,11 @@ def build_data(
     else:
         started = time.perf_counter()
         num_proc = processing_processes(data_cfg.num_proc, len(records))
-        with _building(cache_root(data_cfg), records._fingerprint):
+        with source_build_lock(cache_root(data_cfg), records._fingerprint):
             images = files_signature(list_files(records, sample_processor, num_proc))
             fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
-            processed = _processed(records, sample_processor, fingerprint, num_proc)
-        train_items, eval_items, fetch = _in_memory(data_cfg, packing_cfg.max_tokens, processed, stats)
+            processed = processed_records(records, sample_processor, fingerprint, num_proc)
+        train_items, eval_items, fetch = in_memory_items(data_cfg, packing_cfg.max_tokens, processed, stats)
         level = logging.WARNING if stats.skipped else logging.INFO
         logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)
     collator = Collator(

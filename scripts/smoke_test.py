@@ -1,10 +1,10 @@
 """`make smoke-test`: from a fresh checkout to a trained tiny model, in one command.
 
-1. Environment: uses the current Python when it has the requirements; otherwise installs the missing ones from
-   carried wheels (`.whl/`, the GPU image) or creates `.venv` with `make install` and re-runs itself there.
+1. Environment: uses the current Python when it has the requirements; otherwise creates `.venv` with
+   `make install` and re-runs itself there.
 2. Trains recipes/smoke.yaml with train.py — which generates the built-in dataset and the tiny processor on first
    use — on one GPU with the fused rope kernels; without a GPU, a smaller CPU run (transformers' rope: the Triton
-   kernels would run in their interpreter, ~100x slower).
+   kernels would run in their interpreter, far slower than on a GPU).
 3. Prints a summary (loss start → end, tokens/s, MFU, where the run, its export and its wandb files are) and fails
    unless the loss fell clearly.
 4. Proves the model sees: answers HELD_OUT held-out built-in questions with the untrained and the trained model
@@ -68,12 +68,6 @@ def missing_requirements() -> list[str]:
 def ensure_environment() -> None:
     missing = missing_requirements()
     if not missing:
-        return
-    wheels = ROOT / ".whl"
-    if wheels.is_dir() and any(wheels.glob("*.whl")):
-        print(f"[smoke] installing {', '.join(missing)} from carried wheels in .whl/", flush=True)
-        pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", str(wheels)]
-        subprocess.run([*pip, *missing], check=True)
         return
     venv_python = ROOT / ".venv" / "bin" / "python"
     if Path(sys.executable).resolve() == venv_python.resolve():

@@ -116,3 +116,69 @@ def test_installed_repo_runs_scripts_by_path_too(tmp_path):
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert b"--config" in done.stdout
+
+
+PRODUCT = ["train.py", "Makefile", "requirements.txt", *FIRST_PARTY - {"train"}]
+OWN_HOSTS_SETUP = "scripts/gpu_env.sh"
+
+
+def test_our_gpu_hosts_setup_lives_in_one_script():
+    """What only the project's own GPU hosts need (wheels carried in .whl/) is in scripts/gpu_env.sh alone: no
+    package, script, train.py or Makefile target installs from carried wheels."""
+    paths = [ROOT / name for name in PRODUCT if (ROOT / name).is_file()]
+    paths += [p for name in PRODUCT if (ROOT / name).is_dir() for p in sorted((ROOT / name).glob("*.*"))]
+    offenders = [
+        p.relative_to(ROOT).as_posix()
+        for p in paths
+        if p.suffix in {".py", ".sh", ".txt", ""}
+        and ".whl" in p.read_text()
+        and p.relative_to(ROOT).as_posix() != OWN_HOSTS_SETUP
+    ]
+    assert not offenders
+    assert ".whl" in (ROOT / OWN_HOSTS_SETUP).read_text()
+
+
+def private_uses(path: Path) -> set[str]:
+    """`from x import _y` of a first-party module, and `alias._y` on a first-party module bound by an import."""
+    tree = ast.parse(path.read_text())
+    found, modules = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] not in FIRST_PARTY:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.add(f"from {node.module} import {alias.name}")
+                modules.add(alias.asname or alias.name)  # a module or a name: reading `_y` off either is private
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in FIRST_PARTY:
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        if private and isinstance(node.value, ast.Name) and node.value.id in modules:
+            found.add(f"{node.value.id}.{node.attr}")
+    return found
+
+
+# The kernel tests that look inside the launch path on purpose: a recording JIT in place of the Triton kernels
+# (direct launch), the op's per-signature cache and its autograd.Function, the patch's record of replaced functions.
+WHITE_BOX_READS = {
+    "test_direct_launch.py": {"triton_rope._rope_kernel", "triton_rope._vision_table_kernel"},
+    "test_bench_mrope.py": {"ops._RopeFunction", "ops._rope"},
+    "test_kernels.py": {"ops._ROPES"},
+    "test_patch.py": {"patch_module._GLOBAL_PATCHES", "patch_module._make_text_apply"},
+}
+
+
+def test_tests_use_only_public_names_of_other_modules():
+    """No test imports an underscored name of a first-party module (`from x import _y`), and none reads one off an
+    imported module (`module._y`) beyond the kernel white-box reads named in WHITE_BOX_READS: tests go through the
+    public interfaces."""
+    offenders = {
+        f"{path.name}: {use}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for use in private_uses(path)
+        if use.startswith("from ") or use not in WHITE_BOX_READS.get(path.name, set())
+    }
+    assert not offenders, sorted(offenders)
