@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test compare profile inspect-data estimate-memory verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -58,6 +58,12 @@ bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy 
 
 smoke-test:  ## set up if needed, then train the tiny model on the built-in data (one GPU with fused rope, else a smaller CPU run) and print a summary
 	$(PY) -m scripts.smoke_test $(ARGS)
+
+generate:  ## answer and score held-out questions with a run (RUN=runs/smoke; ARGS="--data eval.jsonl ..."): predictions + summary
+	$(PY) -m scripts.generate --run $(or $(RUN),runs/smoke) $(ARGS)
+
+chat:  ## talk to a trained run in the terminal (RUN=runs/smoke); image and video paths in a message are read
+	$(PY) -m scripts.chat --run $(or $(RUN),runs/smoke) $(ARGS)
 
 inspect-data:  ## summarise a recipe's data: kept/skipped samples, packs, efficiency, memory estimate
 	$(PY) -m scripts.inspect_data --config $(CONFIG) $(ARGS)

@@ -28,6 +28,7 @@ from core import distributed
 from core.config import load_config
 from core.config_tree import ConfigError
 from data.formats import DataError
+from inference.during_training import GenerationEval
 from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump, trusted_resume
 from trainer import defaults, loop, memory_check, metrics, optim, tracking
 from trainer.setup import build_accelerator, build_training
@@ -146,7 +147,10 @@ def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.S
     if trains:
         # a signal on any rank stops every rank after the same step
         stop = lambda: host.any(signals.requested)
-        timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed, stop)
+        generation_eval = None
+        if cfg.train.generate_every:
+            generation_eval = GenerationEval.build(cfg, accelerator, setup.module, setup.processor, run_dir)
+        timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed, stop, generation_eval)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
         checkpoint.export(
             accelerator,
@@ -157,6 +161,7 @@ def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.S
             host,
             cfg.lora,
             cfg.model.name_or_path,
+            cfg.data,
         )
     summary = metrics.summarize(
         accelerator, cfg, timed, run_dir, wandb_dir, export_dir if cfg.checkpoint.export else None, setup.fused_rope

@@ -120,6 +120,11 @@ class TrainConfig:
     grad_accum_steps: int = 1  # micro-batches (packs) per optimizer step on each rank
     eval_every: int = 0  # evaluate the held-out split every N steps and at the end; 0 = no periodic eval
     eval_batches: int = 4  # held-out batches per rank in each evaluation (the same batches every time)
+    # answer the first generate_samples held-out records every N steps and at the end, scored into metrics.jsonl and
+    # a wandb Table (inference/during_training.py); 0 = off, and then nothing of it is built
+    generate_every: int = 0
+    generate_samples: int = 16
+    generate_max_new_tokens: int = 32  # tokens per answer at most (greedy)
     # where the fp32 master weights live: "module" = an fp32 module that autocast casts at every use; "optimizer" =
     # matmul weights in model.dtype, fp32 copies in AdamW (one process; modeling/master_weights.py); "auto" =
     # optimizer for one CUDA process in bfloat16, else module (trainer/defaults.py)
@@ -149,6 +154,11 @@ class TrainConfig:
             raise ConfigError(f"train.max_grad_norm must be >= 0 (0 = no clipping), got {self.max_grad_norm}.")
         if self.eval_every < 0 or self.eval_batches < 1:
             raise ConfigError("train.eval_every must be >= 0 (0 = off) and train.eval_batches >= 1.")
+        if self.generate_every < 0 or self.generate_samples < 1 or self.generate_max_new_tokens < 1:
+            raise ConfigError(
+                "train.generate_every must be >= 0 (0 = off), train.generate_samples and "
+                "train.generate_max_new_tokens >= 1."
+            )
         if self.max_steps < 1:
             raise ConfigError(f"train.max_steps must be >= 1, got {self.max_steps}.")
         if self.grad_accum_steps < 1:
@@ -220,6 +230,11 @@ class Config:
             raise ConfigError(
                 "train.eval_every > 0 needs a held-out split: set data.eval_fraction > 0 (e.g. 0.02) "
                 "or train.eval_every=0."
+            )
+        if self.train.generate_every and self.data.eval_fraction == 0:
+            raise ConfigError(
+                "train.generate_every > 0 answers held-out records: set data.eval_fraction > 0 (e.g. 0.02) or "
+                "train.generate_every=0."
             )
         if self.train.master_weights == "optimizer" and self.model.dtype == "float16":
             raise ConfigError(

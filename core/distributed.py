@@ -2,9 +2,9 @@
 independent processes, the collective settings every launcher of ours exports, small host-side agreements between
 ranks (`HostCollectives`), and the end of a run.
 
-`SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: where
-containers get no multicast objects (as on the project's H200 hosts), collectives that try them fail or hang at
-start-up. The plain ring/tree algorithms are what docs/performance.md's multi-GPU figures use.
+`SAFE_COLLECTIVES_ENV` turns off NVLink SHARP / multicast in NCCL, torch symmetric memory and NVSHMEM: where a
+container gets no multicast objects, collectives that try them fail or hang at start-up. The plain ring/tree
+algorithms are what docs/performance.md's multi-GPU figures use.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal
 
 from core.config_tree import ConfigError, check_seed
+from data.synthetic import KINDS
 
 
 @dataclass
@@ -54,6 +55,9 @@ class DataConfig:
     format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
     video_share: float = 0.2  # share of video samples in the built-in dataset (ignored for other paths)
+    # the built-in dataset's question kinds (data/synthetic.py's KINDS), each sample's drawn uniformly from them;
+    # null: every kind in the default mix (ignored for other paths)
+    builtin_kinds: list[str] | None = None
     eval_fraction: float = 0.02  # held-out share for periodic eval
     min_pixels: int | None = None  # image resize bounds passed to the image processor
     max_pixels: int | None = None
@@ -116,6 +120,10 @@ class DataConfig:
         check_seed("data.seed", self.seed)
         if self.min_pixels is not None and self.max_pixels is not None and self.min_pixels > self.max_pixels:
             raise ConfigError(f"data.min_pixels ({self.min_pixels}) > data.max_pixels ({self.max_pixels}).")
+        if self.builtin_kinds is not None:
+            unknown = sorted(set(self.builtin_kinds) - set(KINDS))
+            if unknown or not self.builtin_kinds:
+                raise ConfigError(f"data.builtin_kinds must be a non-empty list of {list(KINDS)}; unknown: {unknown}.")
         if not 0.0 <= self.video_share <= 1.0:
             raise ConfigError(f"data.video_share must be in [0, 1], got {self.video_share}.")
         if self.video_fps <= 0:

@@ -56,7 +56,7 @@ def list_files(records: Dataset, sample_processor: SampleProcessor, num_proc: in
     )
 
 
-def _file_state(path: bytes) -> bytes:
+def file_state(path: bytes) -> bytes:
     """The path with its size and mtime (ns), or marked missing (also a name no file can have)."""
     try:
         stat = os.stat(path.decode("utf-8", "surrogatepass"))
@@ -72,6 +72,6 @@ def files_signature(listing: Dataset) -> str:
     digest = hashlib.blake2b(digest_size=16)
     with ThreadPoolExecutor(STAT_THREADS) as pool:
         for start in range(0, len(paths), PATHS_PER_READ):
-            for state in pool.map(_file_state, paths[start : start + PATHS_PER_READ].to_pylist()):
+            for state in pool.map(file_state, paths[start : start + PATHS_PER_READ].to_pylist()):
                 digest.update(state)
     return digest.hexdigest()

@@ -12,6 +12,7 @@ had not seen yet.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import hashlib
@@ -41,7 +42,7 @@ from data.config import DataConfig, PackingConfig, source_data_config, source_na
 from data.formats import DataError
 from data.image_files import files_signature, list_files
 from data.packing import ConsumedSteps, Leftover, Pack, PackItem, deal_steps, pack_stream, packs_after, whole_groups
-from data.processing import PROCESSED_FEATURES, SampleProcessor
+from data.processing import PROCESSED_FEATURES, SampleProcessor, image_size_kwargs
 from data.row_meta import (
     DataStats,
     MixtureOrder,
@@ -66,7 +67,7 @@ ROW_INDEX_COLUMN = "__row_index__"
 RECORDS_PER_PROCESS = 256  # with fewer records per process, starting the process costs about what it saves
 
 
-MAX_LOADER_WORKERS = 8  # collating 16k-token packs of 256-1024-token images keeps up with an H200 step at this many
+MAX_LOADER_WORKERS = 8  # the most loader workers `data.num_workers: null` starts per GPU process (docs/data.md)
 
 
 def cpu_cores() -> int:
@@ -122,6 +123,21 @@ def load_processor(model_cfg, data_cfg: DataConfig):
         return image_only_processor_class(model_type)(
             image_processor=image_processor, tokenizer=tokenizer, chat_template=chat_template
         )
+
+
+def processor_for_export(processor, data_cfg: DataConfig):
+    """A copy of `processor` whose saved config carries the run's pixel bounds: the image processor's `size` (what
+    AutoProcessor, vLLM and SGLang resize by) set to data.min/max_pixels, and a video processor's (when the processor
+    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did."""
+    exported = copy.deepcopy(processor)
+    bounds = image_size_kwargs(exported.image_processor, data_cfg.min_pixels, data_cfg.max_pixels)
+    video_bounds = VideoSettings.from_config(data_cfg, processor.image_processor).size_kwargs
+    if bounds:
+        exported.image_processor.size = dict(bounds["size"])
+    video_processor = getattr(exported, "video_processor", None)
+    if video_processor is not None:
+        video_processor.size = dict(video_bounds["size"])
+    return exported
 
 
 # Config keys that describe how weights are stored or run, not how a sample is tokenised or positioned: train.py's
@@ -461,7 +477,7 @@ def processing_processes(num_proc: int | None, records: int) -> int:
 
 
 @contextlib.contextmanager
-def _building(cache: str, source_fingerprint: str) -> Iterator[None]:
+def source_build_lock(cache: str, source_fingerprint: str) -> Iterator[None]:
     """Held while a process lists and processes one source: the other ranks of a node (and other runs sharing the
     cache) wait for it, then load what it wrote, instead of each building the same cache on every core at once."""
     os.makedirs(os.path.join(cache, "locks"), exist_ok=True)
@@ -477,7 +493,7 @@ def _building(cache: str, source_fingerprint: str) -> Iterator[None]:
         lock.release()
 
 
-def _processed(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
+def processed_records(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
     """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`."""
     return records.map(
         sample_processor,
@@ -504,7 +520,7 @@ def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: Dat
     return rows, train_rows, eval_rows
 
 
-def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
+def in_memory_items(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
     """(train items, eval items, fetch) over the processed dataset; counts the records, kept and skipped, in
     `stats`."""
     rows, train_rows, eval_rows = _split(data_cfg, max_tokens, processed, stats)
@@ -513,7 +529,7 @@ def _in_memory(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats:
     return train_items, eval_items, ProcessedRows(processed)
 
 
-def _mixture(data_cfg: DataConfig, max_tokens: int, processed: list[Dataset], stats: DataStats):
+def mixture_items(data_cfg: DataConfig, max_tokens: int, processed: list[Dataset], stats: DataStats):
     """(train items, eval items, fetch) over the sources' processed datasets, in `data.sources` order: training
     samples drawn by weight (`MixtureOrder`), eval the held-out samples of every source in row order. `stats` gets
     each source's counts (in `stats.sources`) and their total."""
@@ -645,10 +661,10 @@ def _processed_source(
 ) -> Dataset:
     """One source's processed dataset, from its own cache (keyed by `processing_fingerprint`) or built once."""
     num_proc = processing_processes(data_cfg.num_proc, len(records))
-    with _building(cache_root(data_cfg), records._fingerprint):
+    with source_build_lock(cache_root(data_cfg), records._fingerprint):
         images = files_signature(list_files(records, sample_processor, num_proc))
         fingerprint = processing_fingerprint(data_cfg, processor, model_config, records._fingerprint, images)
-        return _processed(records, sample_processor, fingerprint, num_proc)
+        return processed_records(records, sample_processor, fingerprint, num_proc)
 
 
 def build_data(
@@ -683,14 +699,14 @@ def build_data(
             source_cfg = source_data_config(data_cfg, source)
             records, sample_processor = _records(source_cfg, processor, model_config, source.max_samples)
             processed.append(_processed_source(source_cfg, processor, model_config, records, sample_processor))
-        train_items, eval_items, fetch = _mixture(data_cfg, packing_cfg.max_tokens, processed, stats)
+        train_items, eval_items, fetch = mixture_items(data_cfg, packing_cfg.max_tokens, processed, stats)
     else:
         records, sample_processor = _records(data_cfg, processor, model_config)
         if data_cfg.streaming:
             train_items, eval_items, fetch = _streaming(data_cfg, packing_cfg, records, sample_processor, stats)
         else:
             processed = _processed_source(data_cfg, processor, model_config, records, sample_processor)
-            train_items, eval_items, fetch = _in_memory(data_cfg, packing_cfg.max_tokens, processed, stats)
+            train_items, eval_items, fetch = in_memory_items(data_cfg, packing_cfg.max_tokens, processed, stats)
     if not data_cfg.streaming:
         level = logging.WARNING if stats.skipped else logging.INFO
         logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)

@@ -218,7 +218,7 @@ def _skipped(sample_id: str, error: SampleError) -> dict:
     }
 
 
-def _parsed(record: Mapping) -> Mapping:
+def parse_record(record: Mapping) -> Mapping:
     """The record itself, or the JSON object a raw-line column holds; a malformed line is an unknown format."""
     if RECORD_JSON_COLUMN not in record:
         return record
@@ -282,7 +282,7 @@ class SampleProcessor:
         location = record.get(RECORD_LOCATION_COLUMN) or f"row {index + 1}"
         sample_id = location
         try:
-            record = _parsed(record)
+            record = parse_record(record)
             sample_id = _storable(str(record.get("id", location)))
             return self.process(record, sample_id)
         except SampleError as error:
@@ -296,7 +296,7 @@ class SampleProcessor:
         """The image, video and video-frame files a record would load, resolved as `process` resolves them (none
         for a bad record)."""
         try:
-            _, refs, video_refs = normalize_record(_parsed(record), self.data_format)
+            _, refs, video_refs = normalize_record(parse_record(record), self.data_format)
         except SampleError:
             return []
         refs = [resolve_ref(ref, self.image_root) for ref in refs]

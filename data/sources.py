@@ -28,6 +28,7 @@ FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
+BUILTIN_VERSION = 2  # part of the built-in dataset's directory name: bump when its records change
 
 
 def _head(path: str) -> bytes:
@@ -104,7 +105,9 @@ def _looks_local(path: str) -> bool:
 
 
 def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
-    name = f"builtin-{data_cfg.seed}-{data_cfg.num_samples}-video{data_cfg.video_share:g}"
+    name = f"builtin-v{BUILTIN_VERSION}-{data_cfg.seed}-{data_cfg.num_samples}-video{data_cfg.video_share:g}"
+    if data_cfg.builtin_kinds:
+        name += "-" + "+".join(data_cfg.builtin_kinds)
     return Path(cache_root) / name / "data.jsonl"
 
 
@@ -113,7 +116,11 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
     path = os.path.expanduser(data_cfg.path or "builtin")
     if path == "builtin":
         directory = builtin_path(data_cfg, cache_root).parent
-        path = str(write_builtin_dataset(directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share))
+        path = str(
+            write_builtin_dataset(
+                directory, data_cfg.num_samples, data_cfg.seed, data_cfg.video_share, data_cfg.builtin_kinds
+            )
+        )
     streaming = data_cfg.streaming
     local = os.path.exists(path)
     if not local and _looks_local(path):

@@ -6,10 +6,11 @@ vary, so samples have different image-token counts (which is what packing has to
 frame lists of a shape moving across the frame (which way it moves is the answer, so the temporal order matters),
 some paired with an image in the same record.
 
-`write_builtin_dataset(directory, num_samples, seed, video_share)` writes `images/*.png` and `data.jsonl` in
+`write_builtin_dataset(directory, num_samples, seed, video_share, kinds)` writes `images/*.png` and `data.jsonl` in
 LLaVA/ShareGPT form (`conversations` with `from`/`value`, `<image>` / `<video>` placeholders, `image` a path or a
-list of paths, `video` a list of frame paths), so the built-in dataset goes through exactly the same loader as
-user data.
+list of paths, `video` a list of frame paths, `category` the question kind), so the built-in dataset goes through
+exactly the same loader as user data. Every kind but the text-only ones (TEXT_KINDS) needs the image or video to be
+answered: held-out accuracy on those kinds shows whether a model looks (inference/builtin_eval.py).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import os
 import random
 import shutil
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,11 @@ KIND_WEIGHTS = (3, 3, 2, 2, 2, 1, 1, 1)
 TEXT_ONLY_SHARE = 0.15
 VIDEO_SHARE = 0.2  # default share of video samples (data.video_share)
 VIDEO_KINDS = ("direction", "direction_and_image")
+TEXT_KINDS = ("arithmetic", "spelling")  # text-only questions: the answer is in the question
+# Image kinds outside the default mix (data.builtin_kinds selects them): "background" asks for the colour most of the
+# image shows, the first thing a vision path learns; the CPU smoke run proves with it that the model looks.
+EXTRA_IMAGE_KINDS = ("background",)
+KINDS = (*IMAGE_KINDS, *EXTRA_IMAGE_KINDS, *VIDEO_KINDS, *TEXT_KINDS)  # every record's `category`
 DIRECTIONS = {  # (start, end) of the centre in fractions of the frame
     "from left to right": ((0.2, 0.5), (0.8, 0.5)),
     "from right to left": ((0.8, 0.5), (0.2, 0.5)),
@@ -75,11 +82,12 @@ class Scene:
 @dataclass
 class SyntheticSample:
     """A conversation (alternating human/gpt turns, `<image>` / `<video>` placeholders), the scenes its images show
-    and, per video, the scenes of its frames."""
+    and, per video, the scenes of its frames; `kind` is its question kind (one of KINDS)."""
 
     turns: list[tuple[str, str]]
     scenes: list[Scene]
     videos: list[list[Scene]] = field(default_factory=list)
+    kind: str = ""
 
 
 def _plural(noun: str, count: int) -> str:
@@ -157,6 +165,11 @@ def _image_question(rng: random.Random, kind: str) -> SyntheticSample:
         question = f"Image 1: <image>\nImage 2: <image>\nWhat colour is the {shape} in each image?"
         answer = f"It is {first_color} in the first image and {second_color} in the second."
         return SyntheticSample([("human", question), ("gpt", answer)], [scene, second])
+    if kind == "background":
+        shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 3)
+        scene.shapes = _place_shapes(rng, scene.size, count, shape, color)
+        question = "<image>\nWhat colour is the background?"
+        return SyntheticSample([("human", question), ("gpt", f"The background is {scene.background}.")], [scene])
     if kind == "multi_turn":
         shape, color, count = rng.choice(SHAPES), rng.choice(list(COLORS)), rng.randint(1, 6)
         scene.shapes = _place_shapes(rng, scene.size, count, shape, color)
@@ -167,15 +180,19 @@ def _image_question(rng: random.Random, kind: str) -> SyntheticSample:
             ("gpt", f"There {'is' if count == 1 else 'are'} {NUMBER_WORDS[count]}."),
         ]
         return SyntheticSample(turns, [scene])
-    raise ValueError(f"unknown synthetic sample kind {kind!r}; expected one of {IMAGE_KINDS}.")
+    raise ValueError(f"unknown synthetic sample kind {kind!r}; expected one of {IMAGE_KINDS + EXTRA_IMAGE_KINDS}.")
 
 
-def _text_only(rng: random.Random) -> SyntheticSample:
-    if rng.random() < 0.5:
+def _text_only(rng: random.Random, kind: str | None = None) -> SyntheticSample:
+    """An arithmetic or spelling question (`kind`; None: either, evenly)."""
+    if kind is None:
+        kind = "arithmetic" if rng.random() < 0.5 else "spelling"
+    if kind == "arithmetic":
         a, b = rng.randint(0, 9), rng.randint(0, 9)
-        return SyntheticSample([("human", f"What is {a} plus {b}?"), ("gpt", f"{a} plus {b} is {a + b}.")], [])
+        turns = [("human", f"What is {a} plus {b}?"), ("gpt", f"{a} plus {b} is {a + b}.")]
+        return SyntheticSample(turns, [], kind=kind)
     word = rng.choice(WORDS)
-    return SyntheticSample([("human", f"Spell the word {word}."), ("gpt", " ".join(word.upper()) + ".")], [])
+    return SyntheticSample([("human", f"Spell the word {word}."), ("gpt", " ".join(word.upper()) + ".")], [], kind=kind)
 
 
 def _moving_shape(rng: random.Random) -> tuple[list[Scene], Shape, str]:
@@ -210,18 +227,40 @@ def _video_question(rng: random.Random, kind: str) -> SyntheticSample:
     raise ValueError(f"unknown synthetic video kind {kind!r}; expected one of {VIDEO_KINDS}.")
 
 
-def generate_samples(num_samples: int, seed: int, video_share: float = VIDEO_SHARE) -> list[SyntheticSample]:
-    """The conversations and scenes of the built-in dataset (no pixels drawn); same arguments, same list."""
+def _sample_of_kind(rng: random.Random, kind: str) -> SyntheticSample:
+    if kind in VIDEO_KINDS:
+        return _video_question(rng, kind)
+    if kind in TEXT_KINDS:
+        return _text_only(rng, kind)
+    return _image_question(rng, kind)
+
+
+def generate_samples(
+    num_samples: int, seed: int, video_share: float = VIDEO_SHARE, kinds: Sequence[str] | None = None
+) -> list[SyntheticSample]:
+    """The conversations and scenes of the built-in dataset (no pixels drawn); same arguments, same list.
+
+    `kinds` (a subset of KINDS): draw each sample's kind uniformly from these instead of the default mix
+    (`video_share` video samples, TEXT_ONLY_SHARE of the rest text-only, the image kinds by KIND_WEIGHTS)."""
     rng = random.Random(seed)
     samples = []
     for _ in range(num_samples):
-        draw = rng.random()
-        if draw < video_share:
-            samples.append(_video_question(rng, rng.choice(VIDEO_KINDS)))
-        elif draw < video_share + TEXT_ONLY_SHARE * (1 - video_share):
-            samples.append(_text_only(rng))
+        if kinds:
+            kind = rng.choice(list(kinds))
+            sample = _sample_of_kind(rng, kind)
         else:
-            samples.append(_image_question(rng, rng.choices(IMAGE_KINDS, KIND_WEIGHTS)[0]))
+            draw = rng.random()
+            if draw < video_share:
+                kind = rng.choice(VIDEO_KINDS)
+                sample = _video_question(rng, kind)
+            elif draw < video_share + TEXT_ONLY_SHARE * (1 - video_share):
+                sample = _text_only(rng)
+                kind = sample.kind
+            else:
+                kind = rng.choices(IMAGE_KINDS, KIND_WEIGHTS)[0]
+                sample = _image_question(rng, kind)
+        sample.kind = kind
+        samples.append(sample)
     return samples
 
 
@@ -253,8 +292,10 @@ def to_llava_record(
     index: int, sample: SyntheticSample, image_paths: list[str], video_frames: list[list[str]] = ()
 ) -> dict:
     """A LLaVA/ShareGPT record: `image` is a path (one image), a list (several), or absent (text only); `video`
-    is one video's frame list, a list of frame lists (several), or absent."""
+    is one video's frame list, a list of frame lists (several), or absent; `category` is the question kind."""
     record = {"id": f"builtin-{index:06d}", "conversations": [{"from": r, "value": v} for r, v in sample.turns]}
+    if sample.kind:
+        record["category"] = sample.kind
     if len(image_paths) == 1:
         record["image"] = image_paths[0]
     elif image_paths:
@@ -267,7 +308,11 @@ def to_llava_record(
 
 
 def write_builtin_dataset(
-    directory: str | os.PathLike, num_samples: int, seed: int, video_share: float = VIDEO_SHARE
+    directory: str | os.PathLike,
+    num_samples: int,
+    seed: int,
+    video_share: float = VIDEO_SHARE,
+    kinds: Sequence[str] | None = None,
 ) -> Path:
     """Write the built-in dataset (images/ + data.jsonl) into `directory` unless it is already there.
 
@@ -283,7 +328,7 @@ def write_builtin_dataset(
     shutil.rmtree(staging, ignore_errors=True)
     (staging / "images").mkdir(parents=True)
     with open(staging / "data.jsonl", "w") as out:
-        for index, sample in enumerate(generate_samples(num_samples, seed, video_share)):
+        for index, sample in enumerate(generate_samples(num_samples, seed, video_share, kinds)):
             paths = []
             for image_index, scene in enumerate(sample.scenes):
                 relative = f"images/{index:06d}_{image_index}.png"

@@ -34,6 +34,8 @@ from accelerate import Accelerator
 
 from core.config import CheckpointConfig, LoraConfig
 from core.distributed import HostCollectives
+from data.config import DataConfig
+from data.pipeline import processor_for_export
 from lifecycle import checkpoint_manifest
 from modeling import lora
 
@@ -244,8 +246,10 @@ def export(
     host: HostCollectives,
     lora_cfg: LoraConfig | None = None,
     base_model: str | None = None,
+    data_cfg: DataConfig | None = None,
 ) -> Path:
-    """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, and the processor.
+    """Write the inference export: the HF model's weights in `dtype` (safetensors), its config, its generation config
+    (stopping at the chat template's turn end), and the processor with the run's pixel bounds (`data_cfg`).
 
     `model` is the prepared training module (`step.TrainModule`): its `.model` is the HF model; the full state
     dict is gathered from every rank (FSDP) before the main process writes it to `<out_dir>.partial` and renames
@@ -262,6 +266,8 @@ def export(
     if accelerator.is_main_process:
         target = getattr(torch, dtype)
         weights = {key.removeprefix("model."): value for key, value in state.items()}
+        if data_cfg is not None:
+            processor = processor_for_export(processor, data_cfg)
         try:
             _write_export(hf_model, weights, processor, partial, out_dir, target, lora_cfg, base_model)
         except Exception as error:  # every rank must reach the agreement below
@@ -276,6 +282,18 @@ def export(
             "error), then relaunch with --resume, which writes the export again."
         )
     return out_dir
+
+
+def set_serving_generation_config(hf_model, tokenizer) -> None:
+    """The model's generation config as serving engines read it: its EOS ids plus the chat template's turn end
+    (`<|im_end|>`, where every assistant turn stops) and the tokenizer's pad id; the rest as the model had it."""
+    config = hf_model.generation_config
+    eos = config.eos_token_id if isinstance(config.eos_token_id, list) else [config.eos_token_id]
+    turn_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    eos = [i for i in dict.fromkeys([*eos, turn_end if isinstance(turn_end, int) else None]) if i is not None]
+    config.eos_token_id = eos[0] if len(eos) == 1 else eos
+    if tokenizer.pad_token_id is not None:
+        config.pad_token_id = tokenizer.pad_token_id
 
 
 def _write_export(
@@ -297,6 +315,7 @@ def _write_export(
         if lora_cfg is not None:
             weights = lora.merged_state(weights, hf_model)
         weights = {k: v.to(target) if v.is_floating_point() else v for k, v in weights.items()}
+        set_serving_generation_config(hf_model, processor.tokenizer)
         hf_model.save_pretrained(partial, state_dict=weights)
         # save_pretrained records the dtype of the (fp32 master) parameters; the weights on disk are `target`.
         hf_model.config.dtype = str(target).removeprefix("torch.")

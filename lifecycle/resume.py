@@ -20,9 +20,10 @@ from core.config_tree import ConfigError
 log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"
 # Keys whose change leaves every step's math as it was: where the run writes and logs, how often it checkpoints or
-# evaluates, how far it goes (train.max_steps: the schedule then stretches to the new end), how data is fetched,
-# what is recomputed or compiled (train.compile: the same math, only inductor's fused rounding differs), whether
-# the memory estimate is checked, what the export holds (lora.merge_on_export).
+# evaluates (train.generate_*: greedy answers draw no random numbers), how far it goes (train.max_steps: the schedule
+# then stretches to the new end), how data is fetched, what is recomputed or compiled (train.compile: the same math,
+# only inductor's fused rounding differs), whether the memory estimate is checked, what the export holds
+# (lora.merge_on_export).
 SAFE_TO_CHANGE = (
     "logging.",
     "checkpoint.",
@@ -30,6 +31,7 @@ SAFE_TO_CHANGE = (
     "train.max_steps",
     "train.eval_every",
     "train.eval_batches",
+    "train.generate_",
     "data.num_workers",
     "data.num_proc",
     "data.cache_dir",

@@ -66,7 +66,7 @@ def _read_record(path: Path) -> dict | None:
     return record if isinstance(record, dict) else None
 
 
-def _age_s(path: Path) -> float:
+def lock_age_s(path: Path) -> float:
     """Seconds since `path` was last refreshed (its modification time)."""
     try:
         return time.time() - path.stat().st_mtime
@@ -128,12 +128,12 @@ class RunLock:
         else:
             self.fd = fd
             previous = _read_record(self.path)
-            if previous and previous.get("host") != self.record["host"] and _age_s(self.path) < STALE_S:
+            if previous and previous.get("host") != self.record["host"] and lock_age_s(self.path) < STALE_S:
                 self._unlock()
                 raise RunLockError(
                     self._refusal(previous)
-                    + f" Its lock was refreshed {_age_s(self.path):.0f} s ago: flock on this filesystem does not reach "
-                    "across hosts."
+                    + f" Its lock was refreshed {lock_age_s(self.path):.0f} s ago: flock on this filesystem does not "
+                    "reach across hosts."
                 )
             self._write_record()
             if previous:
@@ -160,7 +160,7 @@ class RunLock:
         except FileExistsError:
             previous = _read_record(self.path)
             same_host = bool(previous) and previous.get("host") == self.record["host"]
-            dead = (same_host and not _alive_here(previous)) or _age_s(self.path) >= STALE_S
+            dead = (same_host and not _alive_here(previous)) or lock_age_s(self.path) >= STALE_S
             if not dead:
                 raise RunLockError(self._refusal(previous)) from None
             partial = self.path.with_name(f"{self.path.name}.{self.record['host']}.{self.record['pid']}")

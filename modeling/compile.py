@@ -21,7 +21,7 @@ host lengths (torch path) or calls fla's Triton autotuned kernels, and the torch
 traced, each would recompile for every pack. Their decoder layers compile with `fullgraph=False`, so the norms,
 residuals and MLP around the mixer still compile (two graphs per such layer). Such a layer's compiled frame only
 hands the pack (`packed_seqlens`: a PackedSeqlens, or a context-parallel ContextShard) on to the mixer, so it gets it
-boxed in a plain object (`_PassedThrough`) that the mixer's eager wrapper unboxes: dynamo guards on the box's type
+boxed in a plain object (`PassedThrough`) that the mixer's eager wrapper unboxes: dynamo guards on the box's type
 and on nothing inside. Given the pack itself, a frozen dataclass, dynamo (torch 2.11) builds a variable for every
 field, and `len(sample_lengths) == n` becomes a guard that recompiles the layer for every new sample count.
 Full-attention layers take the pack unboxed and read only its `cu_seqlens` and `max_seqlen`. Also eager:
@@ -137,13 +137,13 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
             for name, mixer in block_mixers:
                 # Keep the instance forward the packed forward installed (or the class's): uncompile restores it.
                 mixer._forward_before_compile = mixer.__dict__.get("forward")
-                unboxing = functools.partial(_unboxed_pack_call, mixer.forward)
+                unboxing = functools.partial(unboxed_pack_call, mixer.forward)
                 mixer.forward = torch.compiler.disable(unboxing, reason="Gated DeltaNet runs eagerly")
                 mixers.append(f"{path}.{name}")
-            compiled = torch.compile(_own_forward(block), backend=backend, dynamic=True, fullgraph=not block_mixers)
+            compiled = torch.compile(own_forward(block), backend=backend, dynamic=True, fullgraph=not block_mixers)
             compiled = _DISTINCT_SYMBOLS(compiled)
             if block_mixers:  # the compiled frame only hands the pack on to the mixer: box it (module docstring)
-                compiled = functools.partial(_boxed_pack_call, compiled)
+                compiled = functools.partial(boxed_pack_call, compiled)
             block.forward = functools.partial(_checkpointed_forward, block, compiled)
             (with_mixer if block_mixers else fullgraph).append(path)
     # Past the limit dynamo would silently run the block eagerly: make that an error instead.
@@ -160,9 +160,14 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     return report
 
 
+def compile_report(model: nn.Module) -> CompileReport | None:
+    """The report of `compile_blocks` while `model`'s blocks are compiled, else None."""
+    return getattr(model, _STATE_ATTR, None)
+
+
 def uncompile_blocks(model: nn.Module) -> None:
     """Undo `compile_blocks`: every block runs eagerly again (the Gated DeltaNet mixers' forwards restored)."""
-    report: CompileReport | None = getattr(model, _STATE_ATTR, None)
+    report = compile_report(model)
     if report is None:
         raise ValueError("this model's blocks are not compiled.")
     for path in (*report.fullgraph, *report.with_eager_mixer):
@@ -182,7 +187,7 @@ def uncompile_blocks(model: nn.Module) -> None:
     setattr(model, _STATE_ATTR, None)
 
 
-def _own_forward(block: nn.Module) -> Callable:
+def own_forward(block: nn.Module) -> Callable:
     """`block`'s forward as its class defines it, bound to `block`, without transformers' checkpointing wrapper
     (`GradientCheckpointingLayer` wraps every subclass's forward in one that checkpoints it)."""
     forward = type(block).forward
@@ -191,7 +196,7 @@ def _own_forward(block: nn.Module) -> Callable:
     return types.MethodType(forward, block)
 
 
-class _PassedThrough:
+class PassedThrough:
     """A value a compiled frame only passes on, never reads. A plain object (not a dataclass, a tuple or a
     container, whose contents dynamo tracks): dynamo guards on its type alone, so a new value reuses the graph."""
 
@@ -201,16 +206,16 @@ class _PassedThrough:
         self.value = value
 
 
-def _boxed_pack_call(compiled: Callable, *args, **kwargs):
-    """Call the compiled forward of a layer around an eager mixer with the pack boxed (`_PassedThrough`)."""
+def boxed_pack_call(compiled: Callable, *args, **kwargs):
+    """Call the compiled forward of a layer around an eager mixer with the pack boxed (`PassedThrough`)."""
     if kwargs.get(PACK_KWARG) is not None:
-        kwargs[PACK_KWARG] = _PassedThrough(kwargs[PACK_KWARG])
+        kwargs[PACK_KWARG] = PassedThrough(kwargs[PACK_KWARG])
     return compiled(*args, **kwargs)
 
 
-def _unboxed_pack_call(forward: Callable, *args, **kwargs):
-    """Call an eager mixer's `forward` with the pack out of its box (`_boxed_pack_call`)."""
-    if isinstance(kwargs.get(PACK_KWARG), _PassedThrough):
+def unboxed_pack_call(forward: Callable, *args, **kwargs):
+    """Call an eager mixer's `forward` with the pack out of its box (`boxed_pack_call`)."""
+    if isinstance(kwargs.get(PACK_KWARG), PassedThrough):
         kwargs[PACK_KWARG] = kwargs[PACK_KWARG].value
     return forward(*args, **kwargs)
 

@@ -51,7 +51,7 @@ from modeling.gated_delta_check import GatedDeltaDims
 log = logging.getLogger(__name__)
 
 Backend = Literal["auto", "torch", "fla"]
-_PATCH_ATTR = "_packed_original_forward"
+ORIGINAL_FORWARD_ATTR = "_packed_original_forward"
 _DELTA_RULE = "torch_chunk_gated_delta_rule"  # the modeling modules' global that may dispatch to fla
 _forced_torch_rule: dict[str, tuple[object, int]] = {}  # modeling module → (its original global, patched models)
 
@@ -294,7 +294,7 @@ def packed_gated_delta_forward(
     own forward would convolve with torch); anything else (padded batches, a cache, the torch backend) is the layer's
     original forward. Calls that compute in fp32 take the torch path under either backend (FP32_REASON).
     """
-    original = getattr(module, _PATCH_ATTR)
+    original = getattr(module, ORIGINAL_FORWARD_ATTR)
     pack = kwargs.pop(pack_kwarg, None)
     if backend == "fla" and _computes_in_fp32(hidden_states):
         backend = "torch"  # e.g. the fp32 copy of a bf16 model that checks packing: FP32_REASON
@@ -359,7 +359,7 @@ def patch_gated_delta_layers(
     layers = gated_delta_layers(model)
     if not layers:
         return None
-    if any(hasattr(layer, _PATCH_ATTR) for layer in layers):
+    if any(hasattr(layer, ORIGINAL_FORWARD_ATTR) for layer in layers):
         raise ValueError("this model's Gated DeltaNet layers are already patched for packed batches.")
     dtype = compute_dtype or next(layers[0].parameters()).dtype
     choice = resolve_backend(backend, {GatedDeltaDims.of(layer) for layer in layers}, dtype)
@@ -370,7 +370,7 @@ def patch_gated_delta_layers(
     for name in modeling_names:  # the layers' own forward (padded batches, fp32 calls) stays transformers' torch math
         _force_torch_delta_rule(name)
     for layer in layers:
-        setattr(layer, _PATCH_ATTR, layer.forward)
+        setattr(layer, ORIGINAL_FORWARD_ATTR, layer.forward)
         layer.forward = functools.partial(packed_gated_delta_forward, layer, pack_kwarg, choice.backend)
     model._packed_gated_delta = modeling_names
     return choice.backend
@@ -380,9 +380,9 @@ def unpatch_gated_delta_layers(model: torch.nn.Module) -> None:
     """Restore the original forward of every wrapped Gated DeltaNet layer (and the delta rule it forced)."""
     modeling_names = getattr(model, "_packed_gated_delta", None) or []
     for layer in gated_delta_layers(model):
-        if hasattr(layer, _PATCH_ATTR):
+        if hasattr(layer, ORIGINAL_FORWARD_ATTR):
             del layer.forward
-            delattr(layer, _PATCH_ATTR)
+            delattr(layer, ORIGINAL_FORWARD_ATTR)
     for name in modeling_names:
         _release_torch_delta_rule(name)
     model._packed_gated_delta = None

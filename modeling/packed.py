@@ -91,7 +91,7 @@ def _varlen_attn_takes_gqa() -> bool:
 _VARLEN_ATTN_TAKES_GQA = _varlen_attn_takes_gqa()  # read once here, not in every torch.compile trace
 
 
-def _varlen_kernel(
+def varlen_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -173,7 +173,7 @@ def _shares_kv_heads(query: torch.Tensor, key: torch.Tensor) -> bool:
     return False
 
 
-def _per_segment_sdpa(
+def per_segment_sdpa(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -196,7 +196,7 @@ def _masked_sdpa(
     """One SDPA call under a block-diagonal (and, if causal, lower-triangular) boolean mask built on the device
     from `cu_seqlens`. q (1,H,T,D), k/v (1,Hkv,T,D), any dtype → (T,H,D).
 
-    The traced stand-in for `_per_segment_sdpa`: its graph depends on no host-side length, so packs of other
+    The traced stand-in for `per_segment_sdpa`: its graph depends on no host-side length, so packs of other
     lengths and sample counts reuse it (torch.compile, modeling/compile.py). O(T²) mask: a CPU / fp32 path only.
     """
     tokens = torch.arange(query.shape[2], device=query.device)
@@ -256,7 +256,7 @@ def _context_parallel_attention(
         )
     if varlen:
         q = query[0].transpose(0, 1)
-        return _varlen_kernel(
+        return varlen_kernel(
             q, k, v, shard.cu_seqlens_q, shard.max_seqlen_q, scaling, True, shard.cu_seqlens_k, shard.max_seqlen_k
         )
     k, v = (t.transpose(0, 1)[None] for t in (k, v))
@@ -310,13 +310,13 @@ def packed_attention_forward(
         if max_seqlen is None:  # only a vision tower that did not precompute it: one sync per call
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
-        out = _varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
+        out = varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
     elif torch.compiler.is_compiling():
         out = _masked_sdpa(query, key, value, cu_seqlens, scaling, causal)
     else:
         if lengths is None:  # vision boundaries are a tensor; on this (CPU or fp32) path a host copy is cheap
             lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-        out = _per_segment_sdpa(query, key, value, lengths, scaling, causal)
+        out = per_segment_sdpa(query, key, value, lengths, scaling, causal)
     return out.unsqueeze(0), None
 
 

@@ -187,7 +187,7 @@ class BusySampler:
         except Exception:  # no NVML library or no GPU: the run reports gpu_busy null
             return
         while not self._stop.wait(BUSY_SAMPLE_S):
-            step = _last_logged_step(self.metrics_path)
+            step = last_logged_step(self.metrics_path)
             if step is not None:
                 self.samples.append((step, pynvml.nvmlDeviceGetUtilizationRates(handle).gpu / 100.0))
 
@@ -198,7 +198,7 @@ def _visible_gpu_index() -> int:
     return int(first) if first.isdigit() else 0
 
 
-def _last_logged_step(metrics_path: Path) -> int | None:
+def last_logged_step(metrics_path: Path) -> int | None:
     try:
         lines = metrics_path.read_text().splitlines()
     except FileNotFoundError:

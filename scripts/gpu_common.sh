@@ -1,20 +1,12 @@
-# Sourced by the scripts/gpu_*.sh runners: environment, carried wheels, and `step`, which runs one stage with its own
-# time limit, logs it to $OUT/NAME.log and records its exit status in $OUT/status.txt (a failing stage does not stop
-# the others). Expects OUT to be set.
+# Sourced by the scripts/gpu_*.sh runners: environment, our GPU hosts' own setup (scripts/gpu_env.sh), and `step`,
+# which runs one stage with its own time limit, logs it to $OUT/NAME.log and records its exit status in
+# $OUT/status.txt (a failing stage does not stop the others). Expects OUT to be set.
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false WANDB_MODE=${WANDB_MODE:-offline}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 # NVLink multicast off for every collective library (core/distributed.py says why)
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-# Wheels carried in .whl/ (for machines without a package index) go to a private site dir.
-# Installed once per machine: runners sourced one after another in one call share it.
-if compgen -G ".whl/*.whl" >/dev/null; then
-  [ -f /tmp/site/.installed ] || {
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-      && touch /tmp/site/.installed
-  }
-  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-fi
+source scripts/gpu_env.sh
 PY=python3
 $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, \
 'transformers', transformers.__version__, 'gpus', torch.cuda.device_count(), torch.cuda.get_device_name(0))" \

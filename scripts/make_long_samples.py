@@ -16,43 +16,9 @@ bounds). Same arguments, same files.
 from __future__ import annotations
 
 import argparse
-import itertools
-import json
-import random
 from pathlib import Path
 
-from data.synthetic import corpus_texts, draw_scene, generate_samples
-
-IMAGE_SIDE = 448
-
-
-def passage(words: list[str], count: int, rng: random.Random) -> str:
-    """`count` words drawn in order from a random start in `words`, wrapping around."""
-    start = rng.randrange(len(words))
-    return " ".join(itertools.islice(itertools.cycle(words[start:] + words[:start]), count))
-
-
-def write_long_samples(out: Path, words: int, count: int, seed: int = 0) -> Path:
-    """Write `out`/scene.png and `out`/data.jsonl with `count` records of about `words` words; returns the JSONL."""
-    if words < 2 or count < 1:
-        raise ValueError(f"--words must be >= 2 and --count >= 1, got {words} and {count}.")
-    rng = random.Random(seed)
-    out.mkdir(parents=True, exist_ok=True)
-    scene = next(sample.scenes[0] for sample in generate_samples(50, seed, video_share=0.0) if sample.scenes)
-    draw_scene(scene).resize((IMAGE_SIDE, IMAGE_SIDE)).save(out / "scene.png")
-    vocabulary = " ".join(text for text in corpus_texts() if "\n" not in text).split()
-    path = out / "data.jsonl"
-    with path.open("w") as f:
-        for index in range(count):
-            text = passage(vocabulary, words, rng).split(" ")
-            half = len(text) // 2
-            turns = [
-                {"from": "human", "value": "<image>\nRepeat this passage: " + " ".join(text[:half])},
-                {"from": "gpt", "value": " ".join(text[half:])},
-            ]
-            f.write(json.dumps({"id": f"long-{words}-{index:04d}", "image": "scene.png", "conversations": turns}))
-            f.write("\n")
-    return path
+from verification.bench_data import write_long_samples
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from scripts.bench_cp_attention import (
+from tests.test_distributed import run_processes
+from verification.cp_attention_bench import (
     ENGINES,
     check_lengths,
     format_table,
@@ -22,7 +23,6 @@ from scripts.bench_cp_attention import (
     summarize,
     unshard,
 )
-from tests.test_distributed import run_processes
 
 
 def test_defaults_are_the_3b_shape_at_32k_64k_128k_with_every_engine():
@@ -159,14 +159,14 @@ def test_torch_engine_leaves_nothing_of_its_context_behind(tmp_path):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
 
-    from scripts.bench_cp_attention import _patched_functions_registry, make_problem, torch_cp
+    from verification.cp_attention_bench import make_problem, patched_functions_registry, torch_cp
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,))
         args = parse_args(["--out", "x.json", "--heads=2", "--kv-heads=1", "--head-dim=8", "--dtype=float32"])
         problem = make_problem(8, args, torch.device("cpu"), seed=0)
-        registry, before = _patched_functions_registry(), dict(_patched_functions_registry())
+        registry, before = patched_functions_registry(), dict(patched_functions_registry())
         sdpa, handlers = F.scaled_dot_product_attention, DTensor._op_dispatcher._custom_op_handlers
         for raising in (False, True):
             body_error = pytest.raises(RuntimeError, match="body") if raising else contextlib.nullcontext()

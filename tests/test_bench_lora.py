@@ -1,5 +1,5 @@
-"""scripts/bench_lora.py's launches, checked on the CPU without running them: each is the model's shipped LoRA or full
-fine-tune recipe, at the released model's size."""
+"""verification/lora_bench.py's launches (scripts/bench_lora.py), checked on the CPU without running them: each is
+the model's shipped LoRA or full fine-tune recipe, at the released model's size."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from core import config_tree
 from core.config import Config
 from modeling.build import build_model
 from modeling.lora import apply_lora
-from scripts.bench_lora import RECIPES, launch_command
 from tests.tiers import tiered
+from verification.lora_bench import RECIPES, launch_command
 
 # parameters of the released checkpoints (Qwen2.5-VL-7B-Instruct: 8.29B; Qwen3-VL-8B-Instruct: 8.77B; Qwen3.5-9B: a
 # 9B-class model), with room for rounding details
@@ -60,7 +60,7 @@ def test_separate_calls_fill_one_results_file_and_a_failed_launch_is_reported(tm
     recorded with its log's tail and makes the call exit 1."""
     import json
 
-    from scripts import bench_lora
+    from verification import lora_bench as bench_lora
     from verification.launch import Outcome
 
     def fake_launch(command, log_path, timeout, new_session):

@@ -9,16 +9,16 @@ import torch
 
 from mrope_kernels import ops
 from mrope_kernels.reference import apply_mrope_reference, apply_vision_rope_reference
-from scripts.bench_mrope import (
+from verification.rope_bench import (
     Case,
     CopyFloor,
-    _layout,
-    _triton_op,
     check_targets,
     launches,
+    layout_of,
     make_inputs,
     print_tables,
     stacked,
+    triton_op_rope,
     with_floor_ratios,
 )
 
@@ -143,14 +143,14 @@ def test_mechanism_rows_equal_the_product_fwd_bwd(case):
     """The two mechanism rows, the product's autograd.Function and the torch.library.triton_op alternative, give the
     product's rotation and gradients on the benchmark's inputs (on the kernel's views; the angles are a list)."""
     x = make_inputs(case, 7, "cpu")
-    layout = _layout(case)
+    layout = layout_of(case)
     sections = case.sections or (0, 0, 0)
     to_kernel = (lambda t: t) if case.sections is None else (lambda t: t.transpose(1, 2))
     q, k = to_kernel(x["q"]), to_kernel(x["k"])
     rope = ops._rope(q, k, x["angles"], layout, sections, 1.0, False)
     grads = tuple(to_kernel(g) for g in x["grads"])
     want = ops._RopeFunction.apply(q, k, *(*x["angles"], None)[:2], rope)
-    got = _triton_op()(q, k, x["angles"], layout, sections, 1.0)
+    got = triton_op_rope()(q, k, x["angles"], layout, sections, 1.0)
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
     for g, w in zip(

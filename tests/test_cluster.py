@@ -73,7 +73,11 @@ def assert_same_run(run_dir: Path, reference: Path) -> None:
     assert run_files.has_summary(run_dir)
 
 
-def wait_until(condition, timeout_s: float = 10.0) -> bool:
+HANG_GUARD_S = 120.0  # only a test that hangs waits this long: no outcome depends on how fast the machine is
+
+
+def wait_until(condition, timeout_s: float = HANG_GUARD_S) -> bool:
+    """Whether `condition()` came true (polled) before `timeout_s`, a guard against hanging, not a measurement."""
     deadline = time.monotonic() + timeout_s
     while not condition():
         if time.monotonic() > deadline:
@@ -221,7 +225,7 @@ def test_the_holder_refreshes_its_heartbeat(tmp_path, monkeypatch):
     old = time.time() - 1000
     os.utime(tmp_path / "run.lock", (old, old))
     try:
-        assert wait_until(lambda: run_lock._age_s(tmp_path / "run.lock") < 100)
+        assert wait_until(lambda: run_lock.lock_age_s(tmp_path / "run.lock") < 100)
     finally:
         lock.release()
 
@@ -312,9 +316,10 @@ def watch(timeout_s: float, watch_exits) -> preemption.SignalWatch:
     return signals
 
 
-def test_a_stop_signal_sets_the_flag_and_the_previous_handlers_come_back(watch_exits):
+def test_a_stop_signal_sets_the_flag_and_the_previous_handlers_come_back(monkeypatch, watch_exits):
     """SIGTERM and SIGINT inside the watch set the stop flag (and name the first signal) without ending the process;
     after the watch, the handlers and the wakeup fd are what they were."""
+    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 3600.0)  # the SIGINT is a copy however late it comes
     before = {s: signal.getsignal(s) for s in preemption.SIGNALS}
     with watch(30, watch_exits) as signals:
         assert not signals.requested
@@ -338,27 +343,38 @@ def test_a_stop_that_overruns_its_timeout_exits_with_the_preemption_status(watch
     assert reasons == ["the stop after SIGTERM did not end within checkpoint.preempt_timeout_s=0.3 s"]
 
 
+def test_a_copy_of_the_first_signal_within_the_window_is_the_same_request(monkeypatch, watch_exits):
+    """A copy of the first signal within REPEAT_WINDOW_S (the launcher's copy of the scheduler's signal) does not end
+    the process: what ends it is the stop's own timeout."""
+    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 3600.0)
+    with watch(0.3, watch_exits):
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert wait_until(lambda: watch_exits[0])
+    assert watch_exits == (
+        [preemption.EXIT_STATUS],
+        ["the stop after SIGTERM did not end within checkpoint.preempt_timeout_s=0.3 s"],
+    )
+
+
 def test_a_second_signal_exits_at_once_while_the_main_thread_waits(monkeypatch):
-    """A second signal REPEAT_WINDOW_S after the first ends the process at once (status 75) from the watcher thread,
-    while the main thread waits (here on a lock that only the exit releases); a copy of the first signal within the
-    window does not."""
-    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.5)
-    waiting, exits = threading.Lock(), []
+    """A second signal REPEAT_WINDOW_S or more after the first (here any later one: the window is 0) ends the
+    process at once (status 75) from the watcher thread, while the main thread waits (on a lock that only the exit
+    releases) and long before the stop's timeout."""
+    monkeypatch.setattr(preemption, "REPEAT_WINDOW_S", 0.0)
+    waiting, exits, reasons = threading.Lock(), [], []
     waiting.acquire()
 
     def exit_now(status):
         exits.append(status)
         waiting.release()
 
-    with preemption.SignalWatch(30, exit=exit_now):
+    with preemption.SignalWatch(3600, exit=exit_now) as signals:
+        signals.on_forced_exit(reasons.append)
         os.kill(os.getpid(), signal.SIGTERM)
-        os.kill(os.getpid(), signal.SIGTERM)  # the launcher's copy of the scheduler's signal
-        time.sleep(0.6)
-        assert exits == []
-        threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT)).start()
-        started = time.monotonic()
-        assert waiting.acquire(timeout=20) and time.monotonic() - started < 10
-    assert exits == [preemption.EXIT_STATUS]
+        threading.Thread(target=os.kill, args=(os.getpid(), signal.SIGINT)).start()
+        assert waiting.acquire(timeout=HANG_GUARD_S)  # the stop's own timeout is an hour away
+    assert exits == [preemption.EXIT_STATUS] and reasons == ["a second SIGINT"]
 
 
 AGREE = """

@@ -380,6 +380,6 @@ def test_last_logged_step_reads_the_run_in_progress(tmp_path):
     """The sampler tags samples with the newest step in metrics.jsonl, ignores a half-written last line and reads
     nothing before the file exists."""
     path = tmp_path / "metrics.jsonl"
-    assert compare._last_logged_step(path) is None
+    assert compare.last_logged_step(path) is None
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval_loss": 1.0}\n{"step": 3, "lo')
-    assert compare._last_logged_step(path) == 2
+    assert compare.last_logged_step(path) == 2

@@ -73,7 +73,7 @@ def fresh_dynamo(monkeypatch):
     monkeypatch.setattr(regional, "compile_blocks", recording)
     yield
     for model in reversed(compiled):
-        if getattr(model, regional._STATE_ATTR, None) is not None:
+        if regional.compile_report(model) is not None:
             regional.uncompile_blocks(model)
     torch._dynamo.reset()
 
@@ -208,7 +208,7 @@ def test_gated_delta_layer_breaks_only_around_its_eager_mixer(tiny_model, tiny_s
     layer = next(b for b in model.model.language_model.layers if gated_delta.gated_delta_layers(b))
     batch = pack_samples(model, tiny_samples(model, PACKS[0]))
     args, kwargs = _first_call_inputs(model, layer, batch)
-    explanation = torch._dynamo.explain(regional._own_forward(layer))(*args, **kwargs)
+    explanation = torch._dynamo.explain(regional.own_forward(layer))(*args, **kwargs)
     assert explanation.graph_break_count == 1
     assert "Gated DeltaNet runs eagerly" in str(explanation.break_reasons[0])
 
@@ -219,13 +219,13 @@ def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_
     dataclass itself: given that, torch 2.11's dynamo guards on its sample count and recompiles every new pack (the
     local torch does not, so the recompile test alone cannot catch a regression here)."""
     handed_over = []
-    unbox = regional._unboxed_pack_call
+    unbox = regional.unboxed_pack_call
 
     def recording_unbox(forward, *args, **kwargs):
         handed_over.append(type(kwargs.get(PACK_KWARG)))
         return unbox(forward, *args, **kwargs)
 
-    monkeypatch.setattr(regional, "_unboxed_pack_call", recording_unbox)
+    monkeypatch.setattr(regional, "unboxed_pack_call", recording_unbox)
     model = packed_model(tiny_model, "qwen3_5")
     report = regional.compile_blocks(model, backend="aot_eager")
     try:
@@ -235,7 +235,7 @@ def test_gated_delta_layers_pass_the_pack_boxed_through_the_compiled_frame(tiny_
     finally:
         regional.uncompile_blocks(model)
     assert len(handed_over) == len(report.eager_mixers) > 0
-    assert set(handed_over) == {regional._PassedThrough}
+    assert set(handed_over) == {regional.PassedThrough}
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])

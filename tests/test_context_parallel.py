@@ -13,6 +13,8 @@ from core.config_tree import ConfigError
 from data.processing import IGNORE_INDEX
 from modeling import context_parallel, packed
 from modeling.context_parallel import layout, shard_pack, zigzag_indices
+from modeling.packed import PACK_KWARG
+from verification.varlen_reference import varlen_reference
 
 PAD = 0
 MERGE = 2
@@ -131,7 +133,70 @@ def test_kv_index_picks_each_chunks_document_prefix_from_the_gathered_keys():
 
 
 def full_attention(query, key, value, lengths, scaling):
-    return packed._per_segment_sdpa(query, key, value, lengths, scaling, causal=True)
+    return packed.per_segment_sdpa(query, key, value, lengths, scaling, causal=True)
+
+
+def shard_attention(query, key, value, shard, scaling):
+    """A rank's text attention as the model calls it (the registered attention with the pack's ContextShard):
+    q (1,H,T_local,D), k/v (1,Hkv,T_local,D) → (T_local,H,D)."""
+    out, _ = packed.packed_attention_forward(None, query, key, value, None, scaling=scaling, **{PACK_KWARG: shard})
+    return out[0]
+
+
+@pytest.mark.parametrize("context_size", [2, 3])
+def test_shard_attention_on_the_varlen_path_equals_full_attention_rows(monkeypatch, context_size):
+    """The GPU's path of a shard's attention (a half dtype; each query chunk against its document's key prefix, by
+    cu_seqlens_q / cu_seqlens_k and max_seqlen_q / max_seqlen_k), with the varlen call replaced by a CPU stand-in
+    that honours separate boundaries bottom-right (verification/varlen_reference.py): each rank's bf16 rows equal
+    the whole pack's per-sample causal attention at its tokens (fp32) within bf16 rounding."""
+    torch.manual_seed(0)
+    lengths = [5, 11, 3, 8]
+    batch = synthetic_pack(lengths)
+    padded, _ = zigzag_indices(lengths, context_size)
+    heads, kv_heads, dim, total = 4, 2, 8, sum(padded)
+    query = torch.randn(1, heads, total, dim, dtype=torch.bfloat16)
+    key, value = (torch.randn(1, kv_heads, total, dim, dtype=torch.bfloat16) for _ in range(2))
+    scaling = dim**-0.5
+    reference = full_attention(query.float(), key.float(), value.float(), padded, scaling)
+    shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
+    stacked = torch.stack([key[0].transpose(0, 1), value[0].transpose(0, 1)], dim=1)
+    gathered = torch.cat([stacked[s["cp_local_index"]] for s in shards])
+    monkeypatch.setattr(context_parallel, "gather_sequence", lambda local, group: gathered)
+    calls = []
+
+    def stand_in(*args, **kwargs):
+        calls.append(args)
+        return varlen_reference(*args, **kwargs)
+
+    monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(packed, "varlen_kernel", stand_in)
+    for shard in shards:
+        index = shard["cp_local_index"]
+        cp = context_parallel.context_shard(shard, group=None, device=torch.device("cpu"))
+        assert any(q < k for q, k in zip(cp.q_lengths, cp.k_lengths)), "no chunk whose keys reach before it"
+        out = shard_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), reference[index], rtol=2**-8, atol=1e-5)
+    assert len(calls) == context_size and all(call[7] is not None for call in calls)  # separate key boundaries
+
+
+@pytest.mark.gpu
+def test_varlen_stand_in_equals_the_varlen_kernel_gpu():
+    """The CPU stand-in (verification/varlen_reference.py) computes what the GPU's varlen call computes for query
+    segments shorter than their key segments (bottom-right causal) and for equal ones, within bf16 rounding."""
+    torch.manual_seed(0)
+    device = torch.device("cuda")
+    q_lengths, k_lengths = [7, 64, 1, 33], [7, 200, 40, 33]
+    query = torch.randn(sum(q_lengths), 8, 64, device=device, dtype=torch.bfloat16)
+    key, value = (torch.randn(sum(k_lengths), 2, 64, device=device, dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (
+        torch.tensor(np.concatenate([[0], np.cumsum(n)]), dtype=torch.int32, device=device)
+        for n in (q_lengths, k_lengths)
+    )
+    args = (query, key, value, cu_q, max(q_lengths), 64**-0.5, True, cu_k, max(k_lengths))
+    kernel, stand_in = packed.varlen_kernel(*args), varlen_reference(*args)
+    atol = 2 * ((kernel + 0.3 - 0.3) - kernel).abs().max().item()  # the kernel's own bf16 rounding
+    torch.testing.assert_close(stand_in.float(), kernel.float(), rtol=0, atol=atol)
 
 
 @pytest.mark.parametrize("context_size", [2, 3])
@@ -160,7 +225,7 @@ def test_shard_attention_equals_full_attention_rows(monkeypatch, context_size):
         cp = context_parallel.context_shard(shard, group=None, device=torch.device("cpu"))
         q_local = query[:, :, index].clone().requires_grad_()
         k_local, v_local = key[:, :, index], value[:, :, index]
-        out = packed._context_parallel_attention(q_local, k_local, v_local, cp, scaling)
+        out = shard_attention(q_local, k_local, v_local, cp, scaling)
         torch.testing.assert_close(out, reference[index], rtol=1e-12, atol=1e-12)
         (out * grad_out[index]).sum().backward()
         torch.testing.assert_close(q_local.grad, query_ref.grad[:, :, index], rtol=1e-12, atol=1e-12)
@@ -197,7 +262,7 @@ def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, contex
     scaling = dim**-0.5
     cu_seqlens = torch.tensor(np.concatenate([[0], np.cumsum(padded)]), dtype=torch.int32, device=device)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
-    reference = packed._varlen_kernel(q, k, v, cu_seqlens, max(padded), scaling, True)
+    reference = packed.varlen_kernel(q, k, v, cu_seqlens, max(padded), scaling, True)
     atol = 2 * ((reference + 0.3 - 0.3) - reference).abs().max().item()  # the reference's own bf16 rounding
     shards = [shard_pack(batch, r, context_size, PAD, MERGE) for r in range(context_size)]
     stacked = torch.stack([k, v], dim=1)
@@ -206,7 +271,7 @@ def test_shard_attention_equals_full_attention_rows_bf16_gpu(monkeypatch, contex
     for shard in shards:
         index = shard["cp_local_index"].to(device)
         cp = context_parallel.context_shard(shard, group=None, device=device)
-        out = packed._context_parallel_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
+        out = shard_attention(query[:, :, index], key[:, :, index], value[:, :, index], cp, scaling)
         torch.testing.assert_close(out.float(), reference[index].float(), rtol=0, atol=atol)
 
 

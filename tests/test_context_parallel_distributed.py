@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from core.families import MODEL_TYPES
 from tests.test_distributed import (
     ROOT,
     WORKER_EXIT,
@@ -30,7 +31,7 @@ from tests.test_distributed import (
 
 pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 
 # Samples of odd lengths (none a multiple of 2·CP = 4, so every one is padded): images at a sample's start, middle
 # and end, a text-only sample, a one-token sample, and a video.

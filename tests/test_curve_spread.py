@@ -1,19 +1,29 @@
-"""scripts/curve_spread.py: the exact within-draw permutation test on synthetic draws whose answer is known by hand,
-its verdicts (a shifted layout is outside, an exchangeable one within, one draw undecided), its refusal of files
-that are not draws, and main() on recorded H200 draws (docs/results) of the default compile (outside) and of
-train.compile_eager_reductions=all (within)."""
+"""The exact within-draw permutation test (verification/curve_spread.py) on synthetic draws whose answer is known
+by hand, its verdicts (a shifted layout is outside, an exchangeable one within, one draw undecided), its refusal of
+files that are not draws, and `python -m scripts.curve_spread` on recorded H200 draws (docs/results) of the default
+compile (outside) and of train.compile_eager_reductions=all (within)."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from scripts import curve_spread
+from verification import curve_spread
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs" / "results"
 STEPS = range(1, 11)
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m scripts.curve_spread ARGS` from the repository root, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "scripts.curve_spread", *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
 
 
 def curve(offset: float, wiggle: float = 0.0) -> dict[str, float]:
@@ -83,10 +93,10 @@ def test_files_that_are_not_draws_are_refused(tmp_path):
     (tmp_path / "b.json").write_text("[]")
     with pytest.raises(ValueError, match="not a distributed_parity"):
         curve_spread.draw_runs(tmp_path / "b.json", "bf16-compiled")
-    assert curve_spread.main([str(no_repeat)]) == 2
+    assert run_cli(str(no_repeat)).returncode == 2
 
 
-def test_main_reports_the_per_draw_rule_and_writes_json(tmp_path, capsys):
+def test_main_reports_the_per_draw_rule_and_writes_json(tmp_path):
     path = write_draw(
         tmp_path / "draw.json",
         single=curve(0.0),
@@ -94,18 +104,19 @@ def test_main_reports_the_per_draw_rule_and_writes_json(tmp_path, capsys):
         bf16_compiled=curve(0.15),
         bf16_compiled_repeat=curve(0.0, wiggle=0.3),
     )
-    assert curve_spread.main([str(path), "--json", str(tmp_path / "out.json")]) == 0
+    done = run_cli(str(path), "--json", str(tmp_path / "out.json"))
+    assert done.returncode == 0, done.stderr
     result = json.loads((tmp_path / "out.json").read_text())
     assert result["draws"][0]["per_draw_rule"] == {"bf16-compiled": True, "bf16-compiled-repeat": False}
     assert result["verdict"] == "undecided"
-    assert "bf16-compiled-repeat 0.300 ✗" in capsys.readouterr().out
+    assert "bf16-compiled-repeat 0.300 ✗" in done.stdout
 
 
 @pytest.mark.parametrize(
     ("files", "expected", "p_range"),
     [
-        # bf16-compiled with train.compile_eager_reductions=none: its curve ran 0.29-0.43 from the 1-GPU run in each
-        # draw, where the repeats stayed within 0.08-0.17
+        # bf16-compiled with train.compile_eager_reductions=none: outside the repeats' spread in every draw (the gaps:
+        # docs/numerics.md, "inductor's own reductions")
         (
             [
                 "curve-3b-bf16-compiled-vs-single-h200-2026-12-01.json",
@@ -122,6 +133,7 @@ def test_main_reports_the_per_draw_rule_and_writes_json(tmp_path, capsys):
 )  # fmt: skip
 def test_recorded_h200_draws(tmp_path, files, expected, p_range):
     out = tmp_path / "out.json"
-    assert curve_spread.main([*(str(RESULTS / name) for name in files), "--json", str(out)]) == 0
+    done = run_cli(*(str(RESULTS / name) for name in files), "--json", str(out))
+    assert done.returncode == 0, done.stderr
     result = json.loads(out.read_text())
     assert result["verdict"] == expected and p_range[0] < result["p_value"] <= p_range[1]

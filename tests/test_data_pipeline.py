@@ -18,7 +18,7 @@ from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
 from core.config import load_config
-from core.families import hf_config
+from core.families import MODEL_TYPES, hf_config
 from core.special_tokens import EOS_ID
 from data.config import PackingConfig
 from data.formats import DataError
@@ -87,7 +87,7 @@ def test_labels_cover_exactly_the_assistant_replies(cache):
     """Trained tokens are the assistant replies with their closing <|im_end|>, nothing from system/user turns."""
     cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=30")
     train, _, _, processor, _ = build(cfg)
-    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-0-30-video0.2" / "data.jsonl").open())}
+    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-v2-0-30-video0.2" / "data.jsonl").open())}
     for row in epoch_rows(train):
         replies = [t["value"] for t in records[row["sample_id"]]["conversations"] if t["from"] == "gpt"]
         trained = [token for token in row["labels"] if token != IGNORE_INDEX]
@@ -95,11 +95,12 @@ def test_labels_cover_exactly_the_assistant_replies(cache):
         assert processor.tokenizer.decode(trained) == "".join(reply + "<|im_end|>" for reply in replies)
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5"])
+@pytest.mark.parametrize("family", MODEL_TYPES)
 def test_positions_restart_and_equal_model_rope_index(cache, family):
     """Row 0 restarts at 0 in every sample; rows 1-3 equal the real model's get_rope_index on that sample alone
-    (chunked Qwen2/2.5-VL, interleaved Qwen3-VL/3.5), videos included (Qwen2.5-VL with second_per_grid_ts,
-    Qwen3-VL/3.5 timestamped per temporal patch); pixel rows, grids and patch counts agree."""
+    for every family of the registry (chunked Qwen2/2.5-VL, interleaved Qwen3-VL/3.5 and their MoE variants), videos
+    included (Qwen2.5-VL with second_per_grid_ts, Qwen3-VL/3.5 timestamped per temporal patch); pixel rows, grids and
+    patch counts agree."""
     cfg = recipe(f"tiny-{family}", cache, "data.num_samples=40", "packing.max_tokens=1024", "data.video_share=0.5")
     train, _, _, _, model_config = build(cfg)
     model = build_model(cfg.model)

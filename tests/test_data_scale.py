@@ -27,21 +27,22 @@ from data.pipeline import (
     RECORDS_PER_PROCESS,
     DataStats,
     StepLoader,
-    _building,
-    _in_memory,
-    _processed,
     build_data,
+    in_memory_items,
     load_processor,
+    processed_records,
     processing_processes,
+    source_build_lock,
     step_vision_kinds,
 )
 from data.processing import PROCESSED_FEATURES
-from scripts.make_llava_records import write_llava_records
+from verification.bench_data import write_llava_records
 
 ROOT = Path(__file__).resolve().parents[1]
 
 SKIPS = ("missing_image", "corrupt_image", "unknown_format", "empty_text")
 PLANNED_ROWS = 3000
+HANG_GUARD_S = 120.0  # only a test that hangs waits this long: no outcome depends on how fast the machine is
 
 
 class SyntheticRows:
@@ -101,8 +102,8 @@ def plan_summary(tmp_path, on_error: str = "skip") -> dict:
     logged = CapturedLog()
     logging.getLogger("data.pipeline").addHandler(logged)
     try:
-        processed = _processed(records, processor, "synthetic-plan", num_proc=1)
-        train_items, eval_items, _ = _in_memory(data_cfg, 1024, processed, stats)
+        processed = processed_records(records, processor, "synthetic-plan", num_proc=1)
+        train_items, eval_items, _ = in_memory_items(data_cfg, 1024, processed, stats)
     finally:
         logging.getLogger("data.pipeline").removeHandler(logged)
     layouts = {
@@ -164,8 +165,9 @@ def test_on_error_raise_names_the_first_bad_row(tmp_path):
 
 
 def test_generated_records_are_reproducible_varied_and_trainable(tmp_path):
-    """scripts/make_llava_records.py writes the same files for the same arguments; its records share the image
-    pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely varied length."""
+    """write_llava_records (scripts/make_llava_records.py) writes the same files for the same arguments; its records
+    share the image pool, vary in images (0-2) and turns (1-4), and the pipeline keeps them as samples of widely
+    varied length."""
     path = write_llava_records(tmp_path / "a", 120, images=8, seed=1)
     assert write_llava_records(tmp_path / "b", 120, images=8, seed=1).read_bytes() == path.read_bytes()
     assert sorted(p.name for p in (tmp_path / "a" / "images").iterdir()) == [f"pool_{i:05d}.png" for i in range(8)]
@@ -201,8 +203,8 @@ def test_the_plan_holds_numpy_arrays_not_a_python_object_per_row(tmp_path):
     and reach no Python container with an entry per row: the cost of a million rows is a few arrays, not millions
     of objects."""
     records, processor = synthetic_plan_source(tmp_path)
-    processed = _processed(records, processor, "synthetic-plan", num_proc=1)
-    train_items, eval_items, fetch = _in_memory(DataConfig(), 1024, processed, DataStats())
+    processed = processed_records(records, processor, "synthetic-plan", num_proc=1)
+    train_items, eval_items, fetch = in_memory_items(DataConfig(), 1024, processed, DataStats())
     rows = train_items.rows
     assert rows is eval_items.rows
     assert [(a.dtype, a.shape) for a in (rows.lengths, rows.patches, rows.kinds, rows.skipped)] == [
@@ -224,7 +226,7 @@ def test_a_cached_start_reads_no_record(tmp_path, monkeypatch):
     path = write_llava_records(tmp_path / "data", 60, images=4, seed=2)
     calls = {"process": 0, "image_files": 0, "stat": []}
     process, listing = processing.SampleProcessor.process, processing.SampleProcessor.image_files
-    file_state = image_files._file_state
+    file_state = image_files.file_state
 
     def counted(name, function):
         def call(*args, **kwargs):
@@ -235,7 +237,7 @@ def test_a_cached_start_reads_no_record(tmp_path, monkeypatch):
 
     monkeypatch.setattr(processing.SampleProcessor, "process", counted("process", process))
     monkeypatch.setattr(processing.SampleProcessor, "image_files", counted("image_files", listing))
-    monkeypatch.setattr(image_files, "_file_state", lambda path: calls["stat"].append(path) or file_state(path))
+    monkeypatch.setattr(image_files, "file_state", lambda path: calls["stat"].append(path) or file_state(path))
     overrides = [f"data.path={path}", "data.num_workers=0", f"data.cache_dir={tmp_path / 'cache'}"]
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml", overrides)
     processor, model_config = load_processor(cfg.model, cfg.data), hf_config(cfg.model)
@@ -267,27 +269,37 @@ def test_one_process_at_a_time_builds_a_source(tmp_path, caplog):
     held = FileLock(tmp_path / "locks" / "processing-source.lock")
     (tmp_path / "locks").mkdir()
     held.acquire()
-    entered = threading.Event()
+    entered, waiting = threading.Event(), threading.Event()
+
+    class OnWaiting(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for another process to finish processing this data" in record.getMessage():
+                waiting.set()
 
     def build():
-        with _building(str(tmp_path), "source"):
+        with source_build_lock(str(tmp_path), "source"):
             entered.set()
 
+    logger, on_waiting = logging.getLogger("data.pipeline"), OnWaiting()
     with caplog.at_level(logging.INFO, logger="data.pipeline"):
-        waiter = threading.Thread(target=build)
-        waiter.start()
-        assert not entered.wait(0.5)
-        held.release()
-        waiter.join(10)
+        logger.addHandler(on_waiting)
+        try:
+            waiter = threading.Thread(target=build)
+            waiter.start()
+            assert waiting.wait(HANG_GUARD_S), "the second builder never said it waits"
+            assert not entered.is_set()  # it says so while it waits, before it holds the lock
+            held.release()
+            waiter.join(HANG_GUARD_S)
+        finally:
+            logger.removeHandler(on_waiting)
     assert entered.is_set()
-    assert "waiting for another process to finish processing this data" in caplog.text
 
 
 MEMORY_PROBE = """
 import resource, sys
 from core.families import hf_config
 from data.pipeline import build_data, load_processor
-from scripts.inspect_data import epoch_totals
+from verification.plan_totals import epoch_totals
 from core.config import load_config
 
 if __name__ == "__main__":

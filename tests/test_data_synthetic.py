@@ -3,13 +3,15 @@
 import json
 import re
 
+import pytest
 from transformers import AutoProcessor, Qwen2_5_VLProcessor
 
 from core.config import load_config
+from core.config_tree import ConfigError
 from core.families import hf_config
 from core.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.pipeline import load_processor
-from data.synthetic import NUMBER_WORDS, generate_samples, write_builtin_dataset
+from data.synthetic import KINDS, NUMBER_WORDS, TEXT_KINDS, generate_samples, write_builtin_dataset
 from data.tiny_processor import load_or_build_tiny_processor
 
 
@@ -37,6 +39,20 @@ def test_generator_mixes_kinds_and_sizes(tmp_path):
         placeholders = sum(turn["value"].count("<image>") for turn in record["conversations"])
         images = record.get("image", [])
         assert placeholders == (len(images) if isinstance(images, list) else 1)
+
+
+def test_records_carry_their_kind_and_a_kind_subset_draws_only_those(tmp_path):
+    """Every built-in record names its question kind in `category`; the default mix has every default kind (and the
+    text-only ones ask about no image), and data.builtin_kinds draws only the kinds it lists (unknown kinds refused)."""
+    records = [json.loads(line) for line in write_builtin_dataset(tmp_path / "all", 300, seed=1).open()]
+    assert {r["category"] for r in records} == set(KINDS) - {"background"}
+    assert all("image" not in r and "video" not in r for r in records if r["category"] in TEXT_KINDS)
+    chosen = ["background", "color"]
+    assert {s.kind for s in generate_samples(50, seed=1, kinds=chosen)} == set(chosen)
+    background = next(s for s in generate_samples(10, seed=2, kinds=["background"]))
+    assert background.turns[-1][1] == f"The background is {background.scenes[0].background}."
+    with pytest.raises(ConfigError, match="builtin_kinds"):
+        load_config("recipes/smoke.yaml", ["data.builtin_kinds=[colour]"])
 
 
 def test_videos_show_the_motion_they_ask_about(tmp_path):

@@ -27,10 +27,10 @@ pytestmark = pytest.mark.slow  # the slow tier: `make test-all`
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
-LAUNCH_TIMEOUT_S = 150  # a healthy launch takes ~20 s on 2 cores; a collective mismatch hangs until this
+LAUNCH_TIMEOUT_S = 150  # far above a healthy launch of these tiny runs; a collective mismatch hangs until this
 STEPS = 4
 COMMON = [
-    "kernels.mrope=unfused",  # the fused kernels would run under the Triton interpreter: ~100x slower
+    "kernels.mrope=unfused",  # the fused kernels would run under the Triton interpreter, far slower
     "model.dtype=float32",
     "data.eval_fraction=0",
     "packing.max_tokens=200",  # image sample 102 tokens + text sample 128 tokens: never one pack

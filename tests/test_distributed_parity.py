@@ -14,7 +14,7 @@ import pytest
 from data.config import PackingConfig
 from data.packing import PackItem
 from data.pipeline import StepLoader
-from scripts import distributed_parity as parity
+from verification import parity
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 29512

@@ -188,7 +188,7 @@ def test_fla_backend_runs_single_sequences_through_the_same_kernels(guarded_gpu,
     def recording(module, hidden_states, cu_seqlens, lengths):
         assert lengths == (cu_seqlens[-1].item(),)  # the host lengths fla's chunk table is built from
         seen.append(cu_seqlens.tolist())
-        return getattr(module, gated_delta._PATCH_ATTR)(hidden_states)
+        return getattr(module, gated_delta.ORIGINAL_FORWARD_ATTR)(hidden_states)
 
     monkeypatch.setattr(gated_delta, "_fla_varlen_forward", recording)
     layer = gated_delta.gated_delta_layers(model)[0]

@@ -1,6 +1,8 @@
 """The package layers only point down (docs/architecture.md): core at the bottom, mrope_kernels and data on it, the
-model room (modeling) on those, the run's lifecycle on the model room, the trainer on both, verification on the
-trainer, scripts and train.py on top. Every import counts, module-level or inside a function."""
+model room (modeling) on those, the run's lifecycle on the model room, inference (generation and scores) and the
+trainer on both, verification on the trainer, scripts and train.py on top. train.py hands the training loop its
+generation evaluation, so the trainer never imports inference. Every import counts, module-level or inside a
+function."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ FIRST_PARTY = {
     "modeling",
     "lifecycle",
     "trainer",
+    "inference",
     "verification",
     "scripts",
     "train",
@@ -30,10 +33,13 @@ ALLOWED = {
     # a checkpoint holds the model's LoRA adapters and exports them in peft's format (modeling/lora.py)
     "lifecycle": {"core", "data", "mrope_kernels", "modeling", "lifecycle"},
     "trainer": {"core", "data", "mrope_kernels", "modeling", "lifecycle", "trainer"},
+    # builds a run's model, adapters and checkpoints as training does; never its loop, step or setup
+    "inference": {"core", "data", "mrope_kernels", "modeling", "lifecycle", "inference"},
     "verification": {"core", "data", "mrope_kernels", "modeling", "lifecycle", "trainer", "verification"},
 }
 # The one upward reach, by module: the recipe schema (core/config.py) composes the data and packing sections that
-# data/config.py declares beside the code that reads them; data/config.py itself imports only core.config_tree.
+# data/config.py declares beside the code that reads them; data/config.py itself imports only core.config_tree and
+# data.synthetic (the built-in kinds it validates), which imports nothing first-party.
 ALLOWED_MODULES = {"core/config.py": {"data.config"}}
 MAX_MODULES = 16  # a package folder a reader can take in at once
 
@@ -66,10 +72,12 @@ def test_package_imports_only_lower_layers(package):
 
 
 def test_data_config_stays_below_the_recipe_schema():
-    """data/config.py, which core/config.py imports, imports nothing first-party but core.config_tree, so the one
-    upward reach of core cannot close a cycle."""
+    """data/config.py, which core/config.py imports, imports nothing first-party but core.config_tree and
+    data.synthetic, which itself imports nothing first-party, so the one upward reach of core cannot close a cycle."""
     names = {n for n in imported_modules(ROOT / "data" / "config.py") if n.split(".")[0] in FIRST_PARTY}
-    assert names <= {"core.config_tree"}, sorted(names)
+    assert names <= {"core.config_tree", "data.synthetic"}, sorted(names)
+    synthetic = {n for n in imported_modules(ROOT / "data" / "synthetic.py") if n.split(".")[0] in FIRST_PARTY}
+    assert not synthetic, sorted(synthetic)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
@@ -108,3 +116,69 @@ def test_installed_repo_runs_scripts_by_path_too(tmp_path):
     )
     assert done.returncode == 0, done.stderr.decode()[-2000:]
     assert b"--config" in done.stdout
+
+
+PRODUCT = ["train.py", "Makefile", "requirements.txt", *FIRST_PARTY - {"train"}]
+OWN_HOSTS_SETUP = "scripts/gpu_env.sh"
+
+
+def test_our_gpu_hosts_setup_lives_in_one_script():
+    """What only the project's own GPU hosts need (wheels carried in .whl/) is in scripts/gpu_env.sh alone: no
+    package, script, train.py or Makefile target installs from carried wheels."""
+    paths = [ROOT / name for name in PRODUCT if (ROOT / name).is_file()]
+    paths += [p for name in PRODUCT if (ROOT / name).is_dir() for p in sorted((ROOT / name).glob("*.*"))]
+    offenders = [
+        p.relative_to(ROOT).as_posix()
+        for p in paths
+        if p.suffix in {".py", ".sh", ".txt", ""}
+        and ".whl" in p.read_text()
+        and p.relative_to(ROOT).as_posix() != OWN_HOSTS_SETUP
+    ]
+    assert not offenders
+    assert ".whl" in (ROOT / OWN_HOSTS_SETUP).read_text()
+
+
+def private_uses(path: Path) -> set[str]:
+    """`from x import _y` of a first-party module, and `alias._y` on a first-party module bound by an import."""
+    tree = ast.parse(path.read_text())
+    found, modules = set(), set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module.split(".")[0] not in FIRST_PARTY:
+                continue
+            for alias in node.names:
+                if alias.name.startswith("_"):
+                    found.add(f"from {node.module} import {alias.name}")
+                modules.add(alias.asname or alias.name)  # a module or a name: reading `_y` off either is private
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in FIRST_PARTY:
+                    modules.add(alias.asname or alias.name.split(".")[0])
+    for node in ast.walk(tree):
+        private = isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+        if private and isinstance(node.value, ast.Name) and node.value.id in modules:
+            found.add(f"{node.value.id}.{node.attr}")
+    return found
+
+
+# The kernel tests that look inside the launch path on purpose: a recording JIT in place of the Triton kernels
+# (direct launch), the op's per-signature cache and its autograd.Function, the patch's record of replaced functions.
+WHITE_BOX_READS = {
+    "test_direct_launch.py": {"triton_rope._rope_kernel", "triton_rope._vision_table_kernel"},
+    "test_bench_mrope.py": {"ops._RopeFunction", "ops._rope"},
+    "test_kernels.py": {"ops._ROPES"},
+    "test_patch.py": {"patch_module._GLOBAL_PATCHES", "patch_module._make_text_apply"},
+}
+
+
+def test_tests_use_only_public_names_of_other_modules():
+    """No test imports an underscored name of a first-party module (`from x import _y`), and none reads one off an
+    imported module (`module._y`) beyond the kernel white-box reads named in WHITE_BOX_READS: tests go through the
+    public interfaces."""
+    offenders = {
+        f"{path.name}: {use}"
+        for path in sorted((ROOT / "tests").glob("*.py"))
+        for use in private_uses(path)
+        if use.startswith("from ") or use not in WHITE_BOX_READS.get(path.name, set())
+    }
+    assert not offenders, sorted(offenders)

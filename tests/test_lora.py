@@ -23,6 +23,7 @@ from transformers import AutoModelForImageTextToText, AutoProcessor
 import train
 from core.config import LoraConfig, load_config
 from core.config_tree import ConfigError
+from core.families import MODEL_TYPES
 from modeling import lora, parts
 from modeling.build import build_model
 from modeling.lora import ADAPTER, apply_lora, full_state_dict, lora_layers, merged_state
@@ -31,7 +32,7 @@ from tests.tiers import tiered
 from trainer import metrics
 from verification.packing_check import SampleSpec, pack_samples, randomize_adapters
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 FAST_FAMILIES = ("qwen2_5_vl", "qwen3_5")  # one chunked-rope family, one Gated DeltaNet family; the rest in test-all
 RECIPE = "recipes/lora-tiny.yaml"
 PACK = (SampleSpec(0, ((4, 4),), text_after=9), SampleSpec(20), SampleSpec(3, ((2, 4),), text_after=5))
@@ -256,7 +257,7 @@ def run_args(out: Path, cache: Path, *overrides: str) -> list[str]:
         "data.eval_fraction=0",
         "data.num_workers=0",
         "packing.max_tokens=512",
-        "kernels.mrope=unfused",  # the fused kernels run under the Triton interpreter here: ~100x slower
+        "kernels.mrope=unfused",  # the fused kernels would run under the Triton interpreter here, far slower
         "train.max_steps=4",
         "train.warmup_steps=1",
         "checkpoint.every_steps=2",

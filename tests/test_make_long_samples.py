@@ -1,4 +1,5 @@
-"""scripts/make_long_samples.py: long samples that the data pipeline keeps, one per pack at the documented budget."""
+"""verification/bench_data.py's long samples (scripts/make_long_samples.py): the data pipeline keeps them, one per
+pack at the documented budget."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 from core.config import load_config
 from data.pipeline import build_data, load_processor
 from modeling.build import build_model
-from scripts.make_long_samples import write_long_samples
+from verification.bench_data import write_long_samples
 
 
 def test_long_samples_are_kept_one_per_pack_and_reproducible(tmp_path):

@@ -1,4 +1,5 @@
-"""scripts/measure_data_scale.py: its memory sampling, and the repeated records whose cache it prebuilds."""
+"""verification/data_scale.py (scripts/measure_data_scale.py): its memory sampling, and the repeated records whose
+cache it prebuilds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,8 @@ from pathlib import Path
 from core.config import load_config
 from core.families import hf_config
 from data import pipeline, processing
-from scripts.inspect_data import epoch_totals
-from scripts.make_llava_records import write_llava_records
-from scripts.measure_data_scale import (
+from verification.bench_data import write_llava_records
+from verification.data_scale import (
     MIXTURE_WEIGHTS,
     RECIPE,
     data_overrides,
@@ -18,6 +18,7 @@ from scripts.measure_data_scale import (
     repeated_records,
     run_measured,
 )
+from verification.plan_totals import epoch_totals
 
 
 def test_peak_memory_of_a_command_is_sampled(tmp_path):

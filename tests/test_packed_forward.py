@@ -2,13 +2,16 @@
 
 import inspect
 import itertools
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AttentionInterface
 
-from modeling import gated_delta
+from core.families import MODEL_TYPES
+from modeling import gated_delta, parts
 from modeling.packed import (
     PACKED_ATTENTION,
     disable_packed_forward,
@@ -18,6 +21,7 @@ from modeling.packed import (
     packed_model_inputs,
     varlen_dtype,
 )
+from mrope_kernels.patch import patch_model
 from tests.tiers import tiered
 from verification.packing_check import (
     RELATIVE_TOLERANCE,
@@ -29,7 +33,8 @@ from verification.packing_check import (
     samples_from_batch,
 )
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+ROOT = Path(__file__).resolve().parents[1]
+FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 GDN_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 
 MIXED_PACK = (
@@ -88,10 +93,6 @@ def assert_within(report: PackingReport, rtol: float) -> None:
 
 def apply_rope(model, rope: str) -> None:
     if rope == "fused":
-        try:
-            from mrope_kernels.patch import patch_model
-        except ImportError as error:
-            pytest.skip(f"fused rope unavailable: {error}")
         patch_model(model)
 
 
@@ -156,17 +157,17 @@ def test_budget_filling_sample(tiny_samples, tiny_model, family):
 
 
 def test_packed_equals_per_sample_with_gradient_checkpointing(tiny_samples, tiny_model):
-    """Gradient checkpointing replays the layers with the pack's boundaries: packed == per-sample still."""
+    """Gradient checkpointing as train.py enables it (decoder layers and ViT blocks, modeling/parts.py) replays the
+    layers with the pack's boundaries: packed == per-sample still."""
     model = tiny_model("qwen3_5")
-    # activation_checkpointing_enable is the 5.23 name; 5.17 (the GPU image) only has the older one
-    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    parts.enable_gradient_checkpointing(model, llm=True, vision=True)
     model.train()
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
     assert_within(report, RELATIVE_TOLERANCE[torch.float32])
 
 
-def _leaking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def leaking_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """Text attention that ignores the pack (one causal window over all samples); vision stays per image."""
     kwargs.pop("packed_seqlens", None)
     if kwargs.get("cu_seq_lens_q") is not None:
@@ -179,7 +180,7 @@ def _leaking_attention(module, query, key, value, attention_mask, scaling=None, 
 
 def _compare_with_leaking_attention(model, samples) -> PackingReport:
     enable_packed_forward(model)
-    AttentionInterface.register(PACKED_ATTENTION, _leaking_attention)
+    AttentionInterface.register(PACKED_ATTENTION, leaking_attention)
     try:
         return compare_packed_to_per_sample(model, samples)
     finally:
@@ -429,7 +430,7 @@ def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scalin
     import modeling.packed as packed
 
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    out = packed._per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
+    out = packed.per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (query, key, value)), lengths, scaling, causal)
     return _LeakGradientAcrossSamples.apply(out)
 
 
@@ -442,7 +443,7 @@ def test_bf16_check_catches_a_leak_only_in_the_varlen_backward(tiny_samples, tin
 
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
     monkeypatch.setattr("verification.packing_check.VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(packed, "_varlen_kernel", _varlen_with_backward_leak)
+    monkeypatch.setattr(packed, "varlen_kernel", _varlen_with_backward_leak)
     model = tiny_model("qwen2_5_vl", dtype="bfloat16")
     enable_packed_forward(model)
     report = compare_packed_to_per_sample(model, tiny_samples(model, MIXED_PACK))
@@ -473,7 +474,7 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_m
     import modeling.packed as packed
 
     calls = {"varlen": 0, "per_segment": 0}
-    varlen, per_segment = packed._varlen_kernel, packed._per_segment_sdpa
+    varlen, per_segment = packed.varlen_kernel, packed.per_segment_sdpa
 
     def count(name, function):
         def counted(*args, **kwargs):
@@ -482,8 +483,8 @@ def test_fp32_master_weights_under_autocast_take_varlen_gpu(tiny_samples, tiny_m
 
         return counted
 
-    monkeypatch.setattr(packed, "_varlen_kernel", count("varlen", varlen))
-    monkeypatch.setattr(packed, "_per_segment_sdpa", count("per_segment", per_segment))
+    monkeypatch.setattr(packed, "varlen_kernel", count("varlen", varlen))
+    monkeypatch.setattr(packed, "per_segment_sdpa", count("per_segment", per_segment))
     model = tiny_model(family).cuda()
     enable_packed_forward(model)
     batch = pack_samples(model, tiny_samples(model, MIXED_PACK, device="cuda"))
@@ -512,69 +513,67 @@ def test_samples_from_batch_inverts_pack_samples(tiny_samples, tiny_model):
             assert (expected is None and got is None) or torch.equal(expected, got), name
 
 
-def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path, capsys):
-    """scripts/verify_packing.py on a tiny recipe's own data pipeline (its collator's positions and boundaries)
-    exits 0 and prints one row per pack."""
-    from scripts import verify_packing
+def verify_packing_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m scripts.verify_packing ARGS` from the repository root, its output captured as text."""
+    command = [sys.executable, "-m", "scripts.verify_packing", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
 
+
+def test_verify_packing_script_passes_on_a_tiny_recipe(tmp_path):
+    """`python -m scripts.verify_packing` on a tiny recipe's own data pipeline (its collator's positions and
+    boundaries) exits 0 and prints one row per pack."""
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    status = verify_packing.main(
-        ["--config", "recipes/tiny-qwen3_5.yaml", "--packs", "2", "--rope", "unfused", *overrides]
-    )
-    out = capsys.readouterr().out
-    assert status == 0, out
-    assert out.count("\nunfused ") == 2 and "PASS" in out
+    done = verify_packing_cli("--config", "recipes/tiny-qwen3_5.yaml", "--packs", "2", "--rope", "unfused", *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("\nunfused ") == 2 and "PASS" in done.stdout
 
 
 @pytest.mark.slow
-def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path, capsys):
+def test_verify_packing_script_checks_a_lora_recipes_adapters(tmp_path):
     """On a LoRA recipe, scripts/verify_packing.py applies the recipe's adapters (B drawn at random) and compares their
     gradients, the only trained ones, packed vs per sample: it passes and names an adapter as the worst gradient."""
-    from scripts import verify_packing
-
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    args = ["--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides]
-    status = verify_packing.main(args)
-    out = capsys.readouterr().out
-    assert status == 0, out
-    row = next(line for line in out.splitlines() if line.startswith("unfused "))
-    assert ".lora_" in row and "PASS" in out
+    done = verify_packing_cli("--config", "recipes/lora-tiny.yaml", "--packs", "1", "--rope", "unfused", *overrides)
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line for line in done.stdout.splitlines() if line.startswith("unfused "))
+    assert ".lora_" in row and "PASS" in done.stdout
 
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl_moe", "qwen3_5"])
 @pytest.mark.slow
-def test_verify_packing_script_passes_with_videos(tmp_path, capsys, family):
+def test_verify_packing_script_passes_with_videos(tmp_path, family):
     """scripts/verify_packing.py on a tiny recipe with a video-heavy built-in dataset (frame-list videos through
     the real pipeline: Qwen2.5-VL's second_per_grid_ts, Qwen3 timestamps, MoE routing, Gated DeltaNet) passes in
     fp32, fused rope, and its pack holds videos (test_packed_videos_equal_per_sample covers all six families)."""
-    from scripts import verify_packing
-
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=12", "data.video_share=0.7", "packing.max_tokens=384"]
-    status = verify_packing.main(
-        ["--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides]
+    done = verify_packing_cli(
+        "--config", f"recipes/tiny-{family}.yaml", "--packs", "1", "--rope", "fused", "--device", "cpu", *overrides
     )
-    out = capsys.readouterr().out
-    assert status == 0, out
-    row = next(line.split() for line in out.splitlines() if line.startswith("fused "))
-    assert int(row[3]) > 0, out  # videos in the pack
+    assert done.returncode == 0, done.stdout + done.stderr
+    row = next(line.split() for line in done.stdout.splitlines() if line.startswith("fused "))
+    assert int(row[3]) > 0, done.stdout  # videos in the pack
 
 
-def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path, capsys, monkeypatch):
-    """The same CLI exits 1 and names the failing quantities when the packed attention leaks across samples."""
-    import modeling.packed as packed
-    from scripts import verify_packing
+LEAKING_CLI = """
+import runpy, sys
+import modeling.packed as packed
+from tests.test_packed_forward import leaking_attention
+packed.packed_attention_forward = leaking_attention  # what enable_packed_forward registers
+sys.argv[0] = "verify_packing"
+runpy.run_module("scripts.verify_packing", run_name="__main__")
+"""
 
+
+def test_verify_packing_script_fails_on_a_leaking_attention(tmp_path):
+    """The same command line exits 1 and names the failing quantities when the packed attention leaks across samples
+    (the leak put in its place before the script runs)."""
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    monkeypatch.setattr(packed, "packed_attention_forward", _leaking_attention)  # what enable_packed_forward registers
-    try:
-        status = verify_packing.main(
-            ["--config", "recipes/tiny-qwen2_5_vl.yaml", "--packs", "1", "--rope", "unfused", *overrides]
-        )
-    finally:
-        AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    captured = capsys.readouterr()
-    assert status == 1, captured.out
-    assert "FAIL" in captured.out and "FAIL unfused pack 0: logits" in captured.err
+    args = ["--config", "recipes/tiny-qwen2_5_vl.yaml", "--packs", "1", "--rope", "unfused", *overrides]
+    done = subprocess.run(
+        [sys.executable, "-c", LEAKING_CLI, *args], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "FAIL" in done.stdout and "FAIL unfused pack 0: logits" in done.stderr
 
 
 def test_label_loss_normalises_by_total_labels():

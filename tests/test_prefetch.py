@@ -51,18 +51,36 @@ def test_a_loader_error_is_raised_in_the_training_thread():
         prefetcher.close()
 
 
+class ReleaseAfter(logging.Handler):
+    """Counts the stall warnings and opens `gate` at the `count`-th: the loader stays stalled until the log shows
+    it, however slowly the machine runs."""
+
+    def __init__(self, gate: threading.Event, count: int):
+        super().__init__(logging.WARNING)
+        self.gate, self.count, self.warnings = gate, count, []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "for the next batch" in record.getMessage():
+            self.warnings.append(record)
+            if len(self.warnings) == self.count:
+                self.gate.set()
+
+
 def test_a_long_wait_for_a_batch_is_logged(monkeypatch, caplog):
-    """A stalled loader shows in the log, once per STALL_WARN_S waited, and the batch still arrives when it comes."""
+    """A stalled loader shows in the log, once per STALL_WARN_S waited (it is released by the second warning), and
+    the batch still arrives when it comes."""
     monkeypatch.setattr(prefetch, "STALL_WARN_S", 0.05)
     loader = CountingLoader(3, hold_after=0)
+    release = ReleaseAfter(loader.gate, count=2)
+    logger = logging.getLogger(prefetch.__name__)
     prefetcher = prefetch.Prefetcher(loader, depth=1)
     try:
         assert next(prefetcher)["i"] == 0
         with caplog.at_level(logging.WARNING, logger=prefetch.__name__):
-            threading.Timer(0.3, loader.gate.set).start()
+            logger.addHandler(release)
             assert next(prefetcher)["i"] == 1
-        waits = [r for r in caplog.records if "for the next batch" in r.getMessage()]
-        assert len(waits) >= 2
+        assert len(release.warnings) >= 2
     finally:
+        logger.removeHandler(release)
         loader.gate.set()
         prefetcher.close()

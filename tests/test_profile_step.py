@@ -1,18 +1,30 @@
-"""scripts/profile_step.py: a tiny recipe profiled end to end on CPU (trace, table, JSON whose categories add up),
-and the kernel-name categorisation and busy-time arithmetic on hand-made names and intervals."""
+"""`python -m scripts.profile_step`: a tiny recipe profiled end to end on CPU (trace, table, JSON whose categories
+add up), and verification/device_time.py's kernel-name categorisation and busy-time arithmetic on hand-made names
+and intervals."""
 
 from __future__ import annotations
 
 import json
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-from accelerate.state import AcceleratorState
 
-from scripts import profile_step
+from verification import device_time
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
+
+
 TINY_OVERRIDES = ["data.num_samples=32", "packing.max_tokens=256", "model.dtype=float32"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """`python -m scripts.profile_step ARGS` from the repository root, its output captured as text."""
+    command = [sys.executable, "-m", "scripts.profile_step", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=False)
 
 
 @pytest.mark.slow
@@ -23,19 +35,17 @@ def test_profiles_a_tiny_recipe_on_cpu(tmp_path):
     out = tmp_path / "profile"
     argv = ["--config", TINY, "--steps", "1", "--warmup", "1", "--top", "5", "--out", str(out), *TINY_OVERRIDES]
     argv.append(f"data.cache_dir={tmp_path / 'cache'}")
-    try:
-        report = profile_step.main(argv)
-    finally:  # the next test that builds an Accelerator must not inherit this one's state
-        AcceleratorState._reset_state(reset_partial_state=True)
+    done = run_cli(*argv)
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads((out / "profile.json").read_text())
 
     trace = json.loads((out / "trace.json").read_text())
     assert trace["traceEvents"], "the chrome trace holds no events"
-    assert json.loads((out / "profile.json").read_text()) == report
     table = (out / "profile.md").read_text()
     assert "## Device time by category" in table and "| matmul |" in table
 
     categories = report["categories"]
-    assert [c["category"] for c in categories] == [name for name, _ in profile_step.CATEGORIES] + ["other"]
+    assert [c["category"] for c in categories] == [name for name, _ in device_time.CATEGORIES] + ["other"]
     assert sum(c["ms_per_step"] for c in categories) == pytest.approx(report["device_ms_per_step"])
     assert sum(c["pct"] for c in categories) == pytest.approx(100.0)
     assert all(0.0 <= c["pct"] <= 100.0 for c in categories)
@@ -53,8 +63,8 @@ def test_profiles_a_tiny_recipe_on_cpu(tmp_path):
 
 def test_rejects_a_step_count_below_one():
     """--steps 0 would profile nothing and divide by zero: refused at the command line."""
-    with pytest.raises(SystemExit):
-        profile_step.parse_args(["--config", TINY, "--steps", "0"])
+    done = run_cli("--config", TINY, "--steps", "0")
+    assert done.returncode == 2 and "--steps must be at least 1" in done.stderr
 
 
 @pytest.mark.parametrize(
@@ -87,37 +97,37 @@ def test_rejects_a_step_count_below_one():
 def test_kernel_names_fall_in_their_category(name, category):
     """Representative CUDA kernel and CPU op names land in the category the breakdown documents (first match wins:
     fmha before cutlass, the foreach grad norm under optimizer, not norm)."""
-    assert profile_step.categorize(name) == category
+    assert device_time.categorize(name) == category
 
 
 def test_busy_time_is_the_union_of_intervals():
     """Overlapping intervals (another stream, nested ops) count once; gaps between them do not count."""
-    event = profile_step.DeviceEvent
+    event = device_time.DeviceEvent
     events = [event("a", 0, 10, 10), event("b", 5, 12, 7), event("c", 20, 25, 5), event("d", 21, 22, 1)]
-    assert profile_step.busy_us(events) == 17
-    assert profile_step.busy_us([]) == 0
+    assert device_time.busy_us(events) == 17
+    assert device_time.busy_us([]) == 0
 
 
 def test_idle_gaps_are_charged_to_the_host_phase_at_their_midpoint():
     """Gaps in the device timeline inside the profiled window go to the innermost step phase the host was in at
     the gap's midpoint (nested annotations: the inner one), or to "between phases"; busy time is never charged."""
-    event = profile_step.DeviceEvent
+    event = device_time.DeviceEvent
     events = [event("a", 10, 20, 10), event("b", 15, 30, 15), event("c", 50, 60, 10), event("d", 90, 100, 10)]
     phases = [("phase/data_wait", 0, 12), ("phase/model_forward", 25, 70), ("phase/vision_dummies", 35, 45)]
-    rows = profile_step.idle_by_phase(events, phases, window=(0, 110), steps=2)
+    rows = device_time.idle_by_phase(events, phases, window=(0, 110), steps=2)
     idle = {row["phase"]: row["idle_ms_per_step"] * 1e3 * 2 for row in rows}
     # gaps: 0-10 (mid 5: data_wait), 30-50 (mid 40: vision_dummies inside model_forward), 60-90 (mid 75: none),
     # 100-110 (mid 105: none)
     assert idle == {"data_wait": 10, "vision_dummies": 20, "between phases": 40}
     assert rows[0]["phase"] == "between phases" and rows[0]["gaps_per_step"] == 1.0
-    assert profile_step.idle_by_phase([event("a", 0, 10, 10)], [], window=(0, 10), steps=1) == []
+    assert device_time.idle_by_phase([event("a", 0, 10, 10)], [], window=(0, 10), steps=1) == []
 
 
 def test_idle_gaps_are_charged_to_the_innermost_host_op_at_their_midpoint():
     """What the host ran while the GPU waited: the op or annotation that started last among those holding the gap's
     midpoint (a runtime call inside an aten op inside a phase: the runtime call), across threads' overlapping ops;
     a gap outside every op is "(no host op)"."""
-    event = profile_step.DeviceEvent
+    event = device_time.DeviceEvent
     events = [event("k1", 0, 10, 10), event("k2", 30, 40, 10), event("k3", 60, 70, 10), event("k4", 95, 100, 10)]
     host = [
         ("phase/vision_plan", 5, 45),
@@ -127,11 +137,11 @@ def test_idle_gaps_are_charged_to_the_innermost_host_op_at_their_midpoint():
         ("aten::copy_", 46, 49),  # begun later than the phase but ended before the gap's midpoint (50)
         ("autograd thread op", 50, 58),  # another thread's op, begun after the phase: the innermost at 55
     ]
-    rows = profile_step.idle_by_host_op(events, host, window=(0, 100), steps=1)
+    rows = device_time.idle_by_host_op(events, host, window=(0, 100), steps=1)
     idle = {row["op"]: row["idle_ms_per_step"] * 1e3 for row in rows}
     # gaps: 10-30 (mid 20), 40-60 (mid 50: "autograd thread op" began at 50), 70-95 (mid 82.5: model_forward)
     assert idle == {"cudaHostAlloc": 20, "autograd thread op": 20, "phase/model_forward": 25}
-    rows = profile_step.idle_by_host_op([event("k", 0, 10, 10)], [("op", 0, 5)], window=(0, 20), steps=1)
+    rows = device_time.idle_by_host_op([event("k", 0, 10, 10)], [("op", 0, 5)], window=(0, 20), steps=1)
     assert rows == [{"op": "(no host op)", "idle_ms_per_step": 0.01, "gaps_per_step": 1.0}]
 
 
@@ -153,6 +163,6 @@ def test_the_gap_sweep_finds_what_a_search_of_every_range_finds():
         holding = [r for r in ranges if r[1] <= middle <= r[2]]
         name = max(holding, key=lambda r: r[1])[0] if holding else "none"
         expected[name] = expected.get(name, 0.0) + gap_end - gap_start
-    rows = profile_step.charge_gaps(gaps, ranges, steps=1, outside="none")
+    rows = device_time.charge_gaps(gaps, ranges, steps=1, outside="none")
     assert {row["name"]: row["idle_ms_per_step"] * 1e3 for row in rows} == pytest.approx(expected)
     assert len(expected) > 20

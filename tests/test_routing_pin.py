@@ -1,11 +1,17 @@
 """Pinned MoE routing (verification/routing_pin.py) and its use in the packed vs per-sample check."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
 from modeling.packed import enable_packed_forward
 from verification.packing_check import RELATIVE_TOLERANCE, SampleSpec, compare_packed_to_per_sample
 from verification.routing_pin import PinnedRouting, routers
+
+ROOT = Path(__file__).resolve().parents[1]
 
 MOE_FAMILIES = ("qwen3_vl_moe", "qwen3_5_moe")
 PACK = (
@@ -151,15 +157,14 @@ def test_model_without_routers_is_left_alone():
     assert (flips.flips, flips.choices) == (0, 0)
 
 
-def test_verify_packing_script_reports_routing_of_a_moe_recipe(tmp_path, capsys):
-    """scripts/verify_packing.py on a tiny MoE recipe (fp32) passes and prints, under each pack's row, how many of
-    its token choices were pinned and that none would flip."""
-    from scripts import verify_packing
-
+def test_verify_packing_script_reports_routing_of_a_moe_recipe(tmp_path):
+    """`python -m scripts.verify_packing` on a tiny MoE recipe (fp32) passes and prints, under each pack's row, how
+    many of its token choices were pinned and that none would flip."""
     overrides = [f"data.cache_dir={tmp_path}", "data.num_samples=40", "packing.max_tokens=256"]
-    status = verify_packing.main(
-        ["--config", "recipes/tiny-qwen3_vl_moe.yaml", "--packs", "2", "--rope", "unfused", *overrides]
+    command = [sys.executable, "-m", "scripts.verify_packing", "--config", "recipes/tiny-qwen3_vl_moe.yaml"]
+    done = subprocess.run(
+        [*command, "--packs", "2", "--rope", "unfused", *overrides], cwd=ROOT, capture_output=True, text=True
     )
-    out = capsys.readouterr().out
-    assert status == 0, out
+    out = done.stdout
+    assert done.returncode == 0, out + done.stderr
     assert out.count("routing: 0 of ") == 2 and "token choices would flip (pinned)" in out, out

@@ -66,7 +66,7 @@ def run_args(out: Path, data_cache: Path, *overrides: str) -> list[str]:
         "data.num_samples=48",
         "data.eval_fraction=0.1",
         "packing.max_tokens=512",
-        "kernels.mrope=unfused",  # the fused kernels run under the Triton interpreter here: ~100x slower
+        "kernels.mrope=unfused",  # the fused kernels would run under the Triton interpreter here, far slower
         "train.max_steps=4",
         "train.warmup_steps=2",
         "train.eval_every=2",

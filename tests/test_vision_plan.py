@@ -8,12 +8,13 @@ import pytest
 import torch
 from torch import nn
 
+from core.families import MODEL_TYPES
 from modeling import parts, vision_plan
 from modeling.packed import enable_packed_forward, packed_model_inputs
 from trainer import step
 from verification.packing_check import SampleSpec, pack_samples
 
-FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe")
+FAMILIES = MODEL_TYPES  # every family of the registry, so a new one cannot be missed
 IMAGE_PACK = (  # images only: the video call is a dummy
     SampleSpec(3, ((2, 4), (4, 2)), text_between=3),
     SampleSpec(5),

@@ -81,6 +81,7 @@ def train(
     start_step: int = 0,
     timed_before: metrics.TimedTotals | None = None,
     stop_requested: Callable[[], bool] = lambda: False,
+    generation_eval: Callable[[int], dict] | None = None,
 ) -> metrics.TimedTotals:
     """Run optimizer steps `start_step + 1 … train.max_steps`; log, evaluate and checkpoint on the way.
     Returns this rank's timed totals of the whole run: `timed_before` (restored from the checkpoint) plus this
@@ -88,7 +89,10 @@ def train(
 
     `stop_requested()` is asked before the first step and after every step but the last, on every rank at the same
     point (it may be a collective: every rank must get the same answer). When it is true, the step ends as any
-    other (logged, evaluated if due), a checkpoint of it is saved, and Preempted is raised."""
+    other (logged, evaluated if due), a checkpoint of it is saved, and Preempted is raised.
+
+    `generation_eval(step)` (train.generate_every; inference/during_training.py) returns a metrics record of answers
+    to held-out questions; it runs every `train.generate_every` steps and after the last, on every rank."""
     if stop_requested():
         raise Preempted(start_step, None)
     tcfg, run_dir, eval_loader = cfg.train, checkpointer.run_dir, setup.eval_loader
@@ -112,19 +116,22 @@ def train(
             first_nonfinite_step = torch.where(nonfinite & (first_nonfinite_step == 0), step, first_nonfinite_step)
             stopping = step < tcfg.max_steps and stop_requested()  # the last step ends the run as usual
             do_eval = eval_loader is not None and tcfg.eval_every and step % tcfg.eval_every == 0
+            do_generate = generation_eval is not None and step % tcfg.generate_every == 0
             periodic_save = cfg.checkpoint.every_steps and step % cfg.checkpoint.every_steps == 0
             do_save = stopping or (periodic_save and step < tcfg.max_steps)
             # An evaluation or a checkpoint also ends the log interval: metrics.jsonl (and wandb, which drops a
             # step older than one it has seen) stays in step order, and a resume from the checkpoint finds every
             # earlier step.
-            if logger.due(step) or do_eval or do_save:
+            if logger.due(step) or do_eval or do_save or do_generate:
                 _stop_if_nonfinite(accelerator, first_nonfinite_step, run_dir)
                 logger.log()
-            if do_eval or do_save:
+            if do_eval or do_save or do_generate:
                 with logger.paused():
                     if do_eval:
                         eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
                         logger.emit({"step": step, "eval_loss": eval_loss})
+                    if do_generate:
+                        logger.emit(generation_eval(step))
                     if do_save:  # the check above ran for this step: no NaN weights are saved
                         last_saved = checkpointer.save(step, steps.state_dict(), dataclasses.asdict(logger.timed()))
             if stopping:
@@ -138,6 +145,8 @@ def train(
     if eval_loader is not None and tcfg.eval_every and tcfg.max_steps % tcfg.eval_every:
         eval_loss = evaluate(accelerator, setup.module, eval_loader, tcfg.eval_batches, eval_start)
         logger.emit({"step": tcfg.max_steps, "eval_loss": eval_loss})
+    if generation_eval is not None and tcfg.max_steps % tcfg.generate_every:
+        logger.emit(generation_eval(tcfg.max_steps))
     if cfg.checkpoint.save_final:
         checkpointer.save(tcfg.max_steps, steps.state_dict(), dataclasses.asdict(timed))
     return timed

@@ -59,7 +59,7 @@ def _chunk_elements(device: torch.device) -> int:
     return CE_KERNEL_CHUNK_ELEMENTS if _softmax_in_kernel(device) else CE_CHUNK_ELEMENTS
 
 
-def _cross_entropy_grad_torch_(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
+def cross_entropy_grad_torch_(logits: torch.Tensor, labels: torch.Tensor, write_grad: bool) -> torch.Tensor:
     """`cross_entropy_grad_` in torch ops: each row's loss (fp32, (n,)) and, if `write_grad`, the logits overwritten
     with their gradient softmax - onehot(label) (zero rows where the label is ignored), else left as they are.
     One fp32 (n, V) buffer (the logits themselves when they are fp32 and get the gradient), turned in place into
@@ -128,7 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 if _softmax_in_kernel(logits.device):
                     row_loss[rows] = cross_entropy_grad_(logits, labels[rows], IGNORE_INDEX, want_grad)
                 else:
-                    row_loss[rows] = _cross_entropy_grad_torch_(logits, labels[rows], want_grad)
+                    row_loss[rows] = cross_entropy_grad_torch_(logits, labels[rows], want_grad)
                 if grad_hidden_wanted:
                     grad_hidden[rows] = logits @ weight_mm
                 if grad_weight_wanted:

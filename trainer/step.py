@@ -76,8 +76,9 @@ class TrainModule(nn.Module):
     forward(batch) -> fp32 scalar: Σ over label tokens of -log p(target), from the base model's last hidden states
     (1, T, H) (or (B, S, H) padded), the lm_head weight and `shift_labels`, by `linear_cross_entropy` (no HF
     logits, no HF loss) over the labelled rows only (`label_rows`, planned on the host): a row without a label adds
-    nothing to the loss and gets a zero gradient either way, so the lm_head multiplies just those rows (on the
-    built-in data ~15% of a pack). The caller divides by the global label count.
+    nothing to the loss and gets a zero gradient either way, so the lm_head multiplies just those rows (what share
+    of a pack that is, and the time it saves: docs/performance.md, "Only the labelled rows"). The caller divides by
+    the global label count.
 
     The base model (`model.model`) gets the keywords the HF *ForConditionalGeneration.forward would pass it, and
     the six families' forward is only `lm_head(hidden_states)` on top (no bias, no logit scaling or softcapping).
