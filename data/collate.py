@@ -89,10 +89,7 @@ class Collator:
         for row in rows:
             try:
                 row_images = [load_image(ref) for ref in row["images"]]
-                row_clips = [
-                    load_clip(ref, settings["fps"], settings["max_frames"])
-                    for ref, settings in zip(row["videos"], row["video_settings"], strict=True)
-                ]
+                row_clips = self.clips(row)
             except SampleError as error:
                 if self.raise_errors:
                     raise DataError(f"sample {row['sample_id']}: {error} (data.on_error=skip skips it)") from None
@@ -104,6 +101,14 @@ class Collator:
             images += row_images
             clips += row_clips
         return out_rows, images, clips, skipped
+
+    @staticmethod
+    def clips(row: dict) -> list[Clip]:
+        """The row's videos sampled as at processing (each video's stored frame rate and frame cap)."""
+        return [
+            load_clip(ref, settings["fps"], settings["max_frames"])
+            for ref, settings in zip(row["videos"], row["video_settings"], strict=True)
+        ]
 
     def sample_arrays(self, row: dict) -> dict[str, np.ndarray]:
         """Per-sample arrays: input_ids (L,), shift_labels (L,), positions (4, L), token_types (L,)."""

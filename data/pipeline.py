@@ -635,13 +635,20 @@ def _collate_then(collate: Callable[[list[dict]], dict], then: Callable[[dict], 
     return then(collate(rows))
 
 
-def _records(data_cfg: DataConfig, processor, model_config: PretrainedConfig, max_samples: int | None = None):
-    """(records, SampleProcessor) of one source: its raw records (at most `max_samples` of them, a subset drawn
-    with data.seed and kept in file order) and the per-record function that processes them."""
+def source_records(data_cfg: DataConfig, max_samples: int | None = None):
+    """(records, image_root) of one source: its raw records, at most `max_samples` of them (a subset drawn with
+    data.seed, kept in file order), and where its relative image paths resolve."""
     records, image_root = open_records(data_cfg, cache_root(data_cfg))
     if max_samples is not None and max_samples < len(records):
         chosen = np.random.default_rng([data_cfg.seed, len(records)]).choice(len(records), max_samples, replace=False)
         records = records.select(np.sort(chosen))
+    return records, image_root
+
+
+def _records(data_cfg: DataConfig, processor, model_config: PretrainedConfig, max_samples: int | None = None):
+    """(records, SampleProcessor) of one source: its raw records (`source_records`) and the per-record function
+    that processes them."""
+    records, image_root = source_records(data_cfg, max_samples)
     sample_processor = SampleProcessor(
         processor,
         model_config,

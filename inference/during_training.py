@@ -1,7 +1,8 @@
 """`train.generate_every`: answers to a fixed held-out set while the model trains, scored, in metrics.jsonl and wandb.
 
 The set is the first `train.generate_samples` records of the run's held-out split (the records train.py never trains
-on, data.eval_fraction), their prompts built once, as training builds its samples. Every `generate_every` steps
+on, data.eval_fraction; a mixture's sources in turn, each by its own eval share), their prompts built once, as
+training builds its samples. Every `generate_every` steps
 (and after the last) `GenerationEval(step)` answers them greedily with the training model itself, scores them
 (inference/scoring.py) and returns a metrics record ({"step", "gen_exact_match", "gen_anls", ..., and
 "gen_exact_match/<category>" per category}); on the main process it also writes the answers to
@@ -19,13 +20,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from accelerate import Accelerator
 
-from data.pipeline import cache_root
+from data.config import source_data_config
+from data.pipeline import source_records
 from data.row_meta import eval_period
-from data.sources import open_records
 from inference import evaluate, scoring
 from inference.generation import GenerationSettings, Generator
 from inference.prompts import EvalPrompt
@@ -35,18 +37,32 @@ BATCH_SIZE = 8  # prompts per generate call
 TABLE_KEY = "generations"
 
 
-def held_out_prompts(cfg, processor, model_config, count: int) -> list[EvalPrompt]:
-    """Prompts of the first `count` records of the held-out split that are not skipped (their records in order)."""
-    records, image_root = open_records(cfg.data, cache_root(cfg.data))
-    builder = evaluate.prompt_builder_for(processor, model_config, cfg.data, image_root)
-    period = eval_period(cfg.data.eval_fraction)
-    prompts = []
-    for index in range(0, len(records), period):
+def _source_prompts(data, max_samples: int | None, processor, model_config) -> Iterator[EvalPrompt]:
+    """Prompts of one source's held-out records that are not skipped, in record order."""
+    records, image_root = source_records(data, max_samples)
+    builder = evaluate.prompt_builder_for(processor, model_config, data, image_root)
+    for index in range(0, len(records), eval_period(data.eval_fraction)):
         prompt = builder.build(records[index], index)
         if prompt.row is not None:
-            prompts.append(prompt)
-        if len(prompts) == count:
-            break
+            yield prompt
+
+
+def held_out_prompts(cfg, processor, model_config, count: int) -> list[EvalPrompt]:
+    """Prompts of the first `count` held-out records that are not skipped (their records in order; a mixture's
+    sources taken in turn, one prompt each)."""
+    if cfg.data.sources:
+        sources = [(source_data_config(cfg.data, s), s.max_samples) for s in cfg.data.sources]
+    else:
+        sources = [(cfg.data, None)]
+    streams = [_source_prompts(data, cap, processor, model_config) for data, cap in sources]
+    prompts = []
+    while streams and len(prompts) < count:
+        for stream in list(streams):
+            prompt = next(stream, None)
+            if prompt is None:
+                streams.remove(stream)
+            elif len(prompts) < count:
+                prompts.append(prompt)
     return prompts
 
 
@@ -70,7 +86,7 @@ class GenerationEval:
         self.generator = Generator(
             hf_model,
             processor.tokenizer,
-            evaluate.collator_for(processor, hf_model.config, cfg_data),
+            evaluate.collator_for(processor, hf_model.config),
             settings,
             max_positions=evaluate.context_length(hf_model.config),
             autocast=accelerator.autocast,

@@ -23,7 +23,7 @@ from accelerate.utils import broadcast_object_list, gather_object
 from data.collate import Collator
 from data.config import DataConfig
 from data.pipeline import cache_root
-from data.processing import SampleProcessor, image_size_kwargs
+from data.processing import SampleProcessor
 from data.sources import open_records
 from data.video import VideoSettings
 from inference import predictions, scoring
@@ -59,20 +59,20 @@ def open_eval_records(data: DataConfig, path: str, num_samples: int, image_root:
     return records, root, settings
 
 
-def collator_for(processor, model_config, data: DataConfig) -> Collator:
-    """The training collator's image and video processing with the run's pixel and frame settings."""
+def collator_for(processor, model_config) -> Collator:
+    """The training collator's image and video processing: each prompt row carries the run's pixel and frame
+    settings (`prompt_builder_for`), as a training row does."""
     return Collator(
         processor.image_processor,
-        image_size_kwargs(processor.image_processor, data.min_pixels, data.max_pixels),
         image_token_id=model_config.image_token_id,
         video_token_id=model_config.video_token_id,
         pad_token_id=processor.tokenizer.pad_token_id,
-        video=VideoSettings.from_config(data, processor.image_processor),
     )
 
 
 def prompt_builder_for(processor, model_config, data: DataConfig, image_root: str | None) -> PromptBuilder:
-    """Prompts as training builds samples: the run's processor, pixel bounds and video settings."""
+    """Prompts as training builds samples: the run's processor, pixel bounds, video settings and visual-token
+    budget."""
     sample_processor = SampleProcessor(
         processor,
         model_config,
@@ -81,6 +81,7 @@ def prompt_builder_for(processor, model_config, data: DataConfig, image_root: st
         min_pixels=data.min_pixels,
         max_pixels=data.max_pixels,
         video=VideoSettings.from_config(data, processor.image_processor),
+        max_visual_tokens=data.max_visual_tokens,
     )
     return PromptBuilder(sample_processor, data.format, context_length(model_config))
 

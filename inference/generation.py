@@ -20,7 +20,6 @@ from torch.distributed.fsdp import FSDPModule
 from core.config_tree import ConfigError
 from data.collate import IMAGE, TEXT, VIDEO, Collator
 from data.formats import load_image
-from data.video import load_clip
 from inference.prompts import EvalPrompt
 
 
@@ -110,8 +109,7 @@ class Generator:
         )
         token_types = token_types * attention_mask
         images = [load_image(ref) for row in rows for ref in row["images"]]
-        video = self.collator.video
-        clips = [load_clip(ref, video.fps, video.max_frames) for row in rows for ref in row["videos"]]
+        clips = [clip for row in rows for clip in self.collator.clips(row)]
         pixel_values, image_grid_thw = self.collator.vision_inputs(list(rows), images)
         inputs = {
             "input_ids": input_ids,

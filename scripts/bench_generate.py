@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> dict:
     builder = evaluate.prompt_builder_for(processor, model.config, data, root)
     prompts = [p for p in (builder.build(records[i], i) for i in range(len(records))) if p.row is not None]
     settings = GenerationSettings(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
-    generator = Generator(model, processor.tokenizer, evaluate.collator_for(processor, model.config, data), settings)
+    generator = Generator(model, processor.tokenizer, evaluate.collator_for(processor, model.config), settings)
     results = []
     for size in sizes:
         batches = [prompts[i * size : (i + 1) * size] for i in range(args.repeats + 1)]

@@ -72,7 +72,7 @@ class Chat:
         loaded = load_run(args.run, args.checkpoint, state.device, DTYPES[args.dtype], pixel_overrides(args))
         config = loaded.model.config
         self.builder = evaluate.prompt_builder_for(loaded.processor, config, loaded.data, image_root=None)
-        collator = evaluate.collator_for(loaded.processor, config, loaded.data)
+        collator = evaluate.collator_for(loaded.processor, config)
         self.generator = Generator(
             loaded.model,
             loaded.processor.tokenizer,

@@ -98,7 +98,7 @@ def run_predictions(args: argparse.Namespace, checkpoint: str, out: Path) -> eva
         loaded.data, args.data, args.num_samples, args.image_root, args.format
     )
     builder = evaluate.prompt_builder_for(loaded.processor, model_config, data, image_root)
-    collator = evaluate.collator_for(loaded.processor, model_config, data)
+    collator = evaluate.collator_for(loaded.processor, model_config)
     generator = Generator(
         loaded.model,
         loaded.processor.tokenizer,

@@ -193,7 +193,7 @@ def test_every_family_generates_in_a_batch_what_it_generates_alone(family, tmp_p
     prompts = [make.build(record, i) for i, record in enumerate(records)]
     settings = GenerationSettings(max_new_tokens=3, min_new_tokens=3)
     assert all(prompt.row is not None for prompt in prompts), [prompt.skip_detail for prompt in prompts]
-    collator = evaluate.collator_for(processor, model.config, cfg.data)
+    collator = evaluate.collator_for(processor, model.config)
     generator = Generator(model, processor.tokenizer, collator, settings)
     alone = [generator.generate([prompt])[0] for prompt in prompts]
     assert generator.generate(prompts) == alone
@@ -485,7 +485,7 @@ sharded(pack).backward()  # a training step's forward first, as in a run
 records, root, data = evaluate.open_eval_records(cfg.data, "builtin", 6, None, None)
 builder = evaluate.prompt_builder_for(processor, reference.model.config, data, root)
 prompts = [p for p in (builder.build(records[i], i) for i in range(len(records))) if p.row is not None]
-collator = evaluate.collator_for(processor, reference.model.config, data)
+collator = evaluate.collator_for(processor, reference.model.config)
 settings = GenerationSettings(max_new_tokens=6)
 answers = []
 for start in range(0, len(prompts), 3):  # the last batch is shorter: the ranks still agree on every forward
