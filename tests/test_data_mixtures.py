@@ -16,6 +16,7 @@ from data.config import SourceConfig, source_names
 from data.pipeline import build_data, load_processor
 from data.row_meta import MixtureOrder, RowMeta, quotas
 from data.synthetic import write_builtin_dataset
+from inference.during_training import held_out_prompts
 from trainer.metrics import IntervalCounts, source_metrics
 
 SIGMAS = 5.0  # a realised share may stray this many binomial standard deviations from its weight's share
@@ -199,3 +200,18 @@ def test_default_source_names_are_unique_and_readable():
         ]
     )
     assert names == ["caption", "vqa", "extra", "mine"]
+
+
+def test_generation_prompts_come_from_every_source_held_out(tmp_path, sources):
+    """train.generate_every's held-out prompts of a mixture: the sources in turn, each from its own held-out records
+    (its eval share), none of them a record the mixture trains on."""
+    spec = f"[{{path: {sources['images']}, eval_fraction: 0.25}}, {{path: {sources['videos']}, eval_fraction: 0.2}}]"
+    cfg = mixture_cfg(tmp_path, spec)
+    processor = load_processor(cfg.model, cfg.data)
+    prompts = held_out_prompts(cfg, processor, hf_config(cfg.model), 6)
+    _, evaluation, _ = build(cfg)
+    keys = [item.key for step in evaluation.steps(0) for pack in step for item in pack.items]
+    held = {(row["sample_id"], bool(row["video_grid_thw"])) for row in evaluation.fetch(keys)}  # the ids repeat
+    assert len(prompts) == 6 and {(p.sample_id, bool(p.row["video_grid_thw"])) for p in prompts} <= held
+    images = [prompt.sample_id for prompt in prompts if not prompt.row["video_grid_thw"]]
+    assert 0 < len(images) < 6  # both sources take turns
