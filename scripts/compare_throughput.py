@@ -3,7 +3,8 @@
 repeated with the variants alternating (A B A B ...), so drift of the machine hits all of them alike.
 
     python -m scripts.compare_throughput --config recipes/bench-qwen2_5_vl-3b-shape.yaml --steps 14 --warmup 5 \
-        [--repeats 3] [--variants fused,unfused,liger] [--out artifacts/compare/NAME] [dotted.key=value ...]
+        [--repeats 3] [--variants fused,unfused,liger] [--heldout-samples 64] [--out artifacts/compare/NAME] \
+        [dotted.key=value ...]
     make compare CONFIG=recipes/... ARGS="--steps 40"
 
 Honest by construction: every run is a separate process with the same recipe, seed and data order (only the
@@ -18,6 +19,18 @@ and `comparison.md` (the table), and prints the table. The JSON and the table ar
 of variants, so a session cut short keeps the rounds it finished. A run that fails (or is killed at --run-timeout,
 after printing its stacks into its train.log) is listed under `failed` and the comparison goes on with the others;
 the script then exits non-zero.
+
+Held-out accuracy beside throughput: with --heldout-samples N (default 0: off, timing runs are unchanged) every run
+also answers the first N records of its held-out split (data.eval_fraction > 0; train.generate_every=<steps>,
+train.generate_samples=N: one greedy evaluation, after its last step; docs/inference.md) and its row reports that
+evaluation's scores, exact match overall and per question kind, as the median over the repeats with min-max. The
+evaluation does not fall inside the throughput: train.py pauses its step clocks (after a device sync) around every
+evaluation (trainer/metrics.py, MetricsLogger.paused), so tokens/s, step time and MFU cover the timed training steps
+only, and the GPU-busy samples stop at the last logged step; only `wall_s` includes it. A recipe that evaluates on its
+own (train.generate_every) without the flag gets its last evaluation reported the same way. `ratios` names the gap
+(a - b) of each pair's held-out exact match, e.g. "fused vs unfused held-out exact match" and "packed vs padded
+held-out exact match", beside each variant's spread over its repeats: same weights up to rounding answer alike, so
+the gap should sit within that spread (with N answers one answer moves exact match by 1/N).
 
 Is the host the bottleneck? While a run trains, NVML's GPU utilisation of the run's GPU (the share of each ~0.2-1 s
 window in which any kernel ran) is sampled every 0.1 s and tagged with the last step the run has logged; the mean of
@@ -37,15 +50,19 @@ comparison.json:
       timed_steps, fused_rope (first finished run); max_abs_dloss_vs_baseline, same_data_as_baseline (first runs,
       null for a padded run against a packed baseline); max_abs_dloss_repeats (the largest |Δloss| of a later
       repeat against the variant's first run: the run-to-run noise a gap between variants is read against, null
-      with one run); dloss_repeat_pairs and dloss_vs_baseline_pairs ({median, max, pairs} of the max |Δloss| of
+      with one run); heldout (null without an evaluation: {step, runs, and per score of metrics.jsonl's gen_* record,
+      the prefix dropped: exact_match, relaxed_accuracy, anls, rouge_l, bleu, exact_match/<kind>: {median, min,
+      max}}); dloss_repeat_pairs and dloss_vs_baseline_pairs ({median, max, pairs} of the max |Δloss| of
       every pair of its repeats, and of every pair of one of its runs and one of the baseline's; null without a
       pair); runs [{repeat, tokens_per_s_per_gpu, step_time_s, mfu,
       gpu_busy, host_bound, run_dir, wandb_dir, wall_s, losses ([step, loss] of every step it logged: any pair's
-      gap recomputes from the JSON alone)}]}},
+      gap recomputes from the JSON alone), heldout ({step, exact_match, ...} of its last evaluation or null)}]}},
   ratios {"fused/unfused tokens/s" etc.: {median, min, max}, "fused vs unfused max |dloss|": float,
       "fused repeats max |dloss|" and "unfused repeats max |dloss|": float or null (their noise),
       "fused vs unfused |dloss|, every pair", "fused repeats |dloss|, every pair" and the unfused one:
-      {median, max, pairs} or null: the gap between variants and the noise over every pair, not one draw},
+      {median, max, pairs} or null: the gap between variants and the noise over every pair, not one draw;
+      "<a> vs <b> held-out exact match" (HELDOUT_PAIRS, when both evaluated): {gap, min, max (the range the repeats
+      allow), spread_a, spread_b (max-min of each variant's repeats), within_repeat_spread, by_kind {kind: gap}}},
   curves {variant: metrics.jsonl training records of its first finished run}
 
 Variants (train.py overrides they set):
@@ -130,10 +147,21 @@ RESERVED_KEYS = {
     "logging.run_name",
     "logging.timing_warmup_steps",
     "checkpoint.resume",
+    "train.generate_every",
+    "train.generate_samples",
 }
 LIGER_FAMILIES = tuple(t for t, family in FAMILIES.items() if family.liger_rope)
 HOST_BOUND_THRESHOLD = 0.85  # gpu_busy under this flags a run as host-bound (module docstring)
 BUSY_SAMPLE_S = 0.1
+# (label, a, b): the variant pairs whose held-out exact match gap (a - b) `ratios` names when both evaluated.
+HELDOUT_PAIRS = (
+    ("fused vs unfused", "fused", "unfused"),
+    ("packed vs padded", "fused", "padded"),
+    ("shipped fused vs unfused", "shipped", "shipped-unfused"),
+    ("compiled vs fused", "compiled", "fused"),
+    ("bf16-weights vs fused", "bf16-weights", "fused"),
+    ("fused vs liger", "fused", "liger"),
+)
 # Runs train.py with Liger-Kernel's rope assigned to the module globals transformers' attention reads at call
 # time (Liger's own monkey patch targets a name transformers 5.x no longer uses, so it would silently do nothing).
 LIGER_BOOTSTRAP = """
@@ -158,6 +186,7 @@ class RunResult:
     records: list[dict]  # metrics.jsonl training records (those with a loss), one per step
     wall_s: float
     busy_samples: list[tuple[int, float]] = field(default_factory=list)  # (last logged step, GPU utilisation 0-1)
+    heldout: dict | None = None  # its last held-out evaluation: {"step", "exact_match", "exact_match/<kind>", ...}
 
 
 class BusySampler:
@@ -229,6 +258,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "'accelerate launch --config_file recipes/accelerate/ddp.yaml --num_processes 2'",
     )
     parser.add_argument("--run-timeout", type=int, default=3600, help="seconds one variant's run may take")
+    parser.add_argument(
+        "--heldout-samples",
+        type=int,
+        default=0,
+        help="answer this many held-out records once, after each run's last step, and report the scores "
+        "(default 0: off; the recipe needs data.eval_fraction > 0)",
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides applied to every variant")
     return parser.parse_args(argv)
 
@@ -267,6 +303,22 @@ def select_variants(requested: str, model_type: str, launcher: str | None) -> tu
     return kept, left_out
 
 
+def heldout_overrides(samples: int, steps: int) -> list[str]:
+    """train.py overrides for --heldout-samples: one held-out evaluation, at the last step (none when 0)."""
+    return [f"train.generate_every={steps}", f"train.generate_samples={samples}"] if samples else []
+
+
+def last_heldout(metrics: list[dict]) -> dict | None:
+    """The scores of a run's last held-out evaluation (its metrics.jsonl `gen_*` record, the prefix dropped, the
+    generation's own seconds left out), or None when it made none."""
+    record = next((r for r in reversed(metrics) if "gen_exact_match" in r), None)
+    if record is None:
+        return None
+    scores = {key.removeprefix("gen_"): value for key, value in record.items() if key.startswith("gen_")}
+    scores.pop("s", None)
+    return {"step": record["step"], **scores}
+
+
 def train_command(variant: str, model_type: str, launcher: str | None) -> list[str]:
     if variant == "liger":
         return [sys.executable, "-c", LIGER_BOOTSTRAP.format(family=model_type)]
@@ -292,6 +344,7 @@ def run_variant(
     overrides = [
         *args.overrides,
         *(f"{k}={v}" for k, v in VARIANT_OVERRIDES[variant].items()),
+        *heldout_overrides(args.heldout_samples, steps),
         f"train.output_dir={run_dir}",
         f"train.max_steps={steps}",
         f"logging.timing_warmup_steps={warmup}",
@@ -317,7 +370,8 @@ def run_variant(
         f"[compare] {variant} run {repeat}: done in {wall:.0f} s, {summary['tokens_per_s_per_gpu'] or 0:.0f} "
         "tokens/s/GPU"
     )
-    return RunResult(variant, repeat, run_dir, summary, records, wall, sampler.samples)
+    heldout = last_heldout(run_files.read_metrics(run_dir))
+    return RunResult(variant, repeat, run_dir, summary, records, wall, sampler.samples, heldout)
 
 
 def _mean(values: list[float]) -> float | None:
@@ -380,6 +434,44 @@ def run_numbers(result: RunResult, warmup: int) -> dict:
         "wandb_dir": summary.get("wandb_dir"),
         "wall_s": result.wall_s,
         "losses": [[r["step"], r["loss"]] for r in result.records],
+        "heldout": result.heldout,
+    }
+
+
+def heldout_numbers(runs: list[RunResult]) -> dict | None:
+    """A variant's held-out scores: {"step", "runs", and per score ("exact_match", "exact_match/<kind>", ...)
+    {median, min, max} over the repeats that evaluated}; None when none did."""
+    evaluated = [r.heldout for r in runs if r.heldout is not None]
+    if not evaluated:
+        return None
+    keys = [key for key in evaluated[0] if key != "step"]
+    keys += sorted({key for scores in evaluated for key in scores if key != "step"} - set(keys))
+    numbers = {"step": evaluated[0]["step"], "runs": len(evaluated)}
+    for key in keys:
+        values = [scores[key] for scores in evaluated if scores.get(key) is not None]
+        if values:
+            numbers[key] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+    return numbers
+
+
+def heldout_gap(a: dict | None, b: dict | None) -> dict | None:
+    """Held-out exact match of variant a minus variant b: the gap of the medians, the range the repeats allow
+    (min(a)-max(b) .. max(a)-min(b)), each variant's own spread over its repeats (max-min: the noise the gap is read
+    against) and the gap of the medians per question kind both report; None unless both evaluated."""
+    if a is None or b is None or "exact_match" not in a or "exact_match" not in b:
+        return None
+    ours, theirs = a["exact_match"], b["exact_match"]
+    gap = ours["median"] - theirs["median"]
+    spreads = (ours["max"] - ours["min"], theirs["max"] - theirs["min"])
+    kinds = sorted(key for key in a if key.startswith("exact_match/") and key in b)
+    return {
+        "gap": gap,
+        "min": ours["min"] - theirs["max"],
+        "max": ours["max"] - theirs["min"],
+        "spread_a": spreads[0],
+        "spread_b": spreads[1],
+        "within_repeat_spread": abs(gap) <= max(spreads),
+        "by_kind": {key.split("/", 1)[1]: a[key]["median"] - b[key]["median"] for key in kinds},
     }
 
 
@@ -406,6 +498,7 @@ def variant_numbers(runs: list[RunResult], warmup: int) -> dict:
         "fused_rope": first.summary["fused_rope"],
         "max_abs_dloss_repeats": repeat_loss_noise(runs),
         "dloss_repeat_pairs": pair_gaps(itertools.combinations(runs, 2)),
+        "heldout": heldout_numbers(runs),
         "runs": per_run,
     }
 
@@ -455,6 +548,10 @@ def compare(results: list[RunResult], baseline: str, warmup: int) -> dict:
     if "fused" in rows and "bf16-weights" in rows:
         named["bf16-weights/fused tokens/s"] = _ratio(rows["bf16-weights"], rows["fused"])
         named["bf16-weights vs fused max |dloss|"] = max_abs_loss_gap(by_name["bf16-weights"][0], by_name["fused"][0])
+    for label, a, b in HELDOUT_PAIRS:
+        gap = heldout_gap(rows[a]["heldout"], rows[b]["heldout"]) if a in rows and b in rows else None
+        if gap is not None:
+            named[f"{label} held-out exact match"] = gap
     return {"baseline": baseline, "host_bound_threshold": HOST_BOUND_THRESHOLD, "variants": rows, "ratios": named}
 
 
@@ -476,10 +573,12 @@ def _fmt(value, spec: str) -> str:
 def table(comparison: dict) -> str:
     """The side-by-side table as Markdown (it pastes into the README as is)."""
     baseline = comparison["baseline"]
+    with_heldout = any(row["heldout"] for row in comparison["variants"].values())
     lines = [
         f"| variant | runs | tokens/s/GPU (median, min–max) | × {baseline} | step time (s) | MFU "
-        f"| GPU busy | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} | max \\|Δloss\\| of its repeats |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| GPU busy | peak mem (GiB) | final loss | max \\|Δloss\\| vs {baseline} | max \\|Δloss\\| of its repeats |"
+        + (" held-out exact match (median, min–max) |" if with_heldout else ""),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|" if with_heldout else ""),
     ]
     for name, row in comparison["variants"].items():
         mfu = None if row["mfu"] is None else 100 * row["mfu"]
@@ -493,14 +592,30 @@ def table(comparison: dict) -> str:
             f"| {_fmt(row['step_time_s'], '.3f')} | {_fmt(mfu, '.1f')}{'%' if mfu is not None else ''} "
             f"| {busy} | {_fmt(row['peak_mem_gib'], '.1f')} | {_fmt(row['loss_end'], '.4f')} | {gap_text} "
             f"| {_fmt(row['max_abs_dloss_repeats'], '.2e')} |"
+            + (f" {heldout_cell(row['heldout'])} |" if with_heldout else "")
         )
     return "\n".join(lines)
+
+
+def heldout_cell(heldout: dict | None) -> str:
+    """Exact match over the repeats as a table cell: median (min–max), with the step evaluated."""
+    if heldout is None or "exact_match" not in heldout:
+        return "–"
+    em = heldout["exact_match"]
+    return f"{em['median']:.3f} ({em['min']:.3f}–{em['max']:.3f}) at step {heldout['step']}"
 
 
 def ratio_lines(ratios: dict) -> str:
     lines = []
     for name, value in ratios.items():
-        if isinstance(value, dict) and "pairs" in value:
+        if isinstance(value, dict) and "gap" in value:
+            noise = f"spread of the repeats {value['spread_a']:.3f} and {value['spread_b']:.3f}"
+            verdict = "within" if value["within_repeat_spread"] else "outside"
+            lines.append(
+                f"- {name}: gap {value['gap']:+.3f} (repeats allow {value['min']:+.3f}..{value['max']:+.3f}; "
+                f"{noise}: {verdict} it)"
+            )
+        elif isinstance(value, dict) and "pairs" in value:
             lines.append(f"- {name}: median {value['median']:.4g}, max {value['max']:.4g} ({value['pairs']} pairs)")
         elif isinstance(value, dict):
             lines.append(f"- {name}: {value['median']:.3f} (repeats allow {value['min']:.3f}–{value['max']:.3f})")
@@ -546,7 +661,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     clashes = sorted({override_key(o) for o in args.overrides} & RESERVED_KEYS)
     if clashes:
-        raise ConfigError(f"{clashes} are set by the comparison itself; use --steps/--warmup/--variants/--group.")
+        raise ConfigError(
+            f"{clashes} are set by the comparison itself; use --steps/--warmup/--variants/--group/--heldout-samples."
+        )
     cfg = load_config(args.config, args.overrides)  # validates the recipe and overrides before any run starts
     model_type = hf_config(cfg.model).model_type
     variants, left_out = select_variants(args.variants, model_type, args.launcher)
@@ -561,6 +678,10 @@ def main(argv: list[str] | None = None) -> dict:
         raise ConfigError(f"--repeats {args.repeats}: need at least one run per variant.")
     if steps <= warmup:
         raise ConfigError(f"--steps {steps} must exceed the {warmup} warm-up steps (set --warmup or --steps).")
+    if args.heldout_samples < 0:
+        raise ConfigError(f"--heldout-samples {args.heldout_samples}: 0 (off) or a number of held-out records.")
+    if args.heldout_samples:  # the recipe must have a held-out split (data.eval_fraction): refused before any run
+        load_config(args.config, [*args.overrides, *heldout_overrides(args.heldout_samples, steps)])
     recipe = Path(args.config).stem
     out_dir = Path(args.out or f"artifacts/compare/{recipe}").resolve()
     group = args.group or f"compare-{recipe}-{datetime.now(UTC).strftime('%Y%m%d-%H%M%S')}"
