@@ -100,6 +100,32 @@ def test_fused_and_unfused_land_in_one_wandb_group(tmp_path, monkeypatch):
             assert variant in run.tags
 
 
+@pytest.mark.slow
+def test_heldout_samples_score_each_real_run_once_after_its_last_step(tmp_path):
+    """--heldout-samples on real tiny runs (fused, unfused, padded): each run answers the held-out records once, at
+    its last step, after its timed steps (train.py's timed step count is unchanged); every row reports exact match in
+    [0, 1] and its per-kind scores, fused and unfused (same weights up to rounding) answer alike, and the table has
+    the held-out column."""
+    out = tmp_path / "compare"
+    argv = ["--config", TINY, "--steps", "3", "--warmup", "1", "--repeats", "1", "--out", str(out)]
+    overrides = [*TINY_OVERRIDES, "data.eval_fraction=0.1", "logging.report_to=none", "train.generate_max_new_tokens=4"]
+    report = compare.main([*argv, "--variants", "fused,unfused,padded", "--heldout-samples", "3", *overrides])
+
+    for name, row in report["variants"].items():
+        assert row["timed_steps"] == 2, name
+        heldout = row["heldout"]
+        assert heldout["step"] == 3 and heldout["runs"] == 1, name
+        assert 0.0 <= heldout["exact_match"]["median"] <= 1.0
+        assert any(key.startswith("exact_match/") for key in heldout), name
+        answers = Path(row["runs"][0]["run_dir"]) / "generations" / "step_00000003.jsonl"
+        assert len(answers.read_text().splitlines()) == 3
+        assert sorted(p.name for p in answers.parent.iterdir()) == [answers.name]  # one evaluation only
+    fused_vs_unfused = report["ratios"]["fused vs unfused held-out exact match"]
+    assert fused_vs_unfused["gap"] == 0.0 and fused_vs_unfused["within_repeat_spread"]
+    assert "packed vs padded held-out exact match" in report["ratios"]
+    assert "held-out exact match" in (out / "comparison.md").read_text()
+
+
 def _result(
     variant: str,
     losses: list[float],
@@ -107,6 +133,7 @@ def _result(
     tokens_per_s: float,
     repeat: int = 1,
     busy: float = 0.98,
+    heldout: dict | None = None,
 ) -> compare.RunResult:
     """A run whose GPU was `busy` during its timed steps (idle before them, as during start-up)."""
     step_time = 1000.0 / tokens_per_s
@@ -130,7 +157,7 @@ def _result(
     }
     samples = [(0, 0.0), (0, 0.3), *((step, busy) for step in range(1, len(losses)) for _ in range(3))]
     samples.append((len(losses), 0.0))  # after the last step: export and teardown, not timed
-    return compare.RunResult(variant, repeat, Path(variant) / f"run{repeat}", summary, records, 1.0, samples)
+    return compare.RunResult(variant, repeat, Path(variant) / f"run{repeat}", summary, records, 1.0, samples, heldout)
 
 
 def test_ratios_and_loss_gaps_follow_the_baseline():
@@ -306,6 +333,90 @@ def test_loss_gaps_over_every_pair_of_runs():
     alone = compare.compare(results[:2], "unfused", warmup=1)
     assert alone["ratios"]["fused repeats |dloss|, every pair"] is None
     assert alone["ratios"]["fused vs unfused |dloss|, every pair"]["pairs"] == 1
+
+
+def _scores(exact_match: float, color: float, count: float | None = None) -> dict:
+    """A run's last held-out evaluation as last_heldout returns it (per kind: color, and count when given)."""
+    scores = {"step": 3, "exact_match": exact_match, "anls": exact_match, "exact_match/color": color}
+    return scores if count is None else {**scores, "exact_match/count": count}
+
+
+def test_heldout_scores_sit_beside_throughput_with_the_gap_and_the_repeats_spread():
+    """With held-out scores, each row has exact match overall and per kind as the median over its repeats with
+    min-max; ratios name the fused vs unfused and packed vs padded gaps (a - b of the medians, the range the repeats
+    allow, each side's spread and whether the gap is within it); the table gains a held-out column. Without
+    scores, rows say null and neither the ratios nor the table change."""
+    losses, efficiency, padded_eff = [5.0, 4.0, 3.0], [0.9, 0.8, 0.9], [0.5, 0.4, 0.5]
+    results = [
+        _result("fused", losses, efficiency, 120.0, repeat=1, heldout=_scores(0.50, 0.25, 1.0)),
+        _result("unfused", losses, efficiency, 100.0, repeat=1, heldout=_scores(0.50, 0.25, 1.0)),
+        _result("padded", losses, padded_eff, 60.0, repeat=1, heldout=_scores(0.25, 0.0)),
+        _result("fused", losses, efficiency, 121.0, repeat=2, heldout=_scores(0.75, 0.5, 1.0)),
+        _result("unfused", losses, efficiency, 101.0, repeat=2, heldout=_scores(0.625, 0.5, 0.75)),
+        _result("padded", losses, padded_eff, 61.0, repeat=2, heldout=_scores(0.25, 0.0)),
+        _result("fused", losses, efficiency, 119.0, repeat=3, heldout=_scores(0.625, 0.5, 1.0)),
+    ]
+    comparison = compare.compare(results, "unfused", warmup=1)
+    fused = comparison["variants"]["fused"]["heldout"]
+    assert fused["step"] == 3 and fused["runs"] == 3
+    assert fused["exact_match"] == {"median": 0.625, "min": 0.5, "max": 0.75}
+    assert fused["exact_match/color"] == {"median": 0.5, "min": 0.25, "max": 0.5}
+    assert "exact_match/count" not in comparison["variants"]["padded"]["heldout"]
+    assert [run["heldout"]["exact_match"] for run in comparison["variants"]["fused"]["runs"]] == [0.5, 0.75, 0.625]
+
+    gap = comparison["ratios"]["fused vs unfused held-out exact match"]
+    assert gap["gap"] == pytest.approx(0.625 - 0.5625)
+    assert (gap["min"], gap["max"]) == pytest.approx((0.5 - 0.625, 0.75 - 0.5))
+    assert (gap["spread_a"], gap["spread_b"]) == pytest.approx((0.25, 0.125))
+    assert gap["within_repeat_spread"] is True
+    assert gap["by_kind"] == pytest.approx({"color": 0.5 - 0.375, "count": 1.0 - 0.875})
+    packed = comparison["ratios"]["packed vs padded held-out exact match"]
+    assert packed["gap"] == pytest.approx(0.375) and packed["spread_b"] == 0.0
+    assert packed["within_repeat_spread"] is False and packed["by_kind"] == pytest.approx({"color": 0.5})
+    table = compare.table(comparison)
+    assert "held-out exact match" in table.splitlines()[0]
+    assert "| 0.625 (0.500–0.750) at step 3 |" in table
+    assert "fused vs unfused held-out exact match: gap +0.062" in compare.ratio_lines(comparison["ratios"])
+
+    for result in results:
+        result.heldout = None
+    plain = compare.compare(results, "unfused", warmup=1)
+    assert all(row["heldout"] is None for row in plain["variants"].values())
+    assert not any("held-out" in name for name in plain["ratios"])
+    assert "held-out" not in compare.table(plain)
+
+
+def test_last_heldout_reads_the_last_evaluation_of_a_run():
+    """A run's held-out scores are its last gen_* record in metrics.jsonl, the prefix dropped and the generation's
+    seconds left out; a run without one has none. --heldout-samples N asks train.py for one evaluation of N records
+    at the last step, and nothing when 0."""
+    metrics = [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "gen_exact_match": 0.1, "gen_s": 3.0},
+        {"step": 4, "loss": 1.0},
+        {"step": 4, "gen_exact_match": 0.5, "gen_anls": 0.6, "gen_exact_match/color": 1.0, "gen_s": 2.0},
+    ]
+    assert compare.last_heldout(metrics) == {"step": 4, "exact_match": 0.5, "anls": 0.6, "exact_match/color": 1.0}
+    assert compare.last_heldout(metrics[:1]) is None
+    assert compare.heldout_overrides(8, 14) == ["train.generate_every=14", "train.generate_samples=8"]
+    assert compare.heldout_overrides(0, 14) == []
+
+
+def test_heldout_samples_without_a_held_out_split_are_refused_before_any_run(monkeypatch):
+    """--heldout-samples on a recipe without a held-out split (data.eval_fraction=0), a negative count, or an
+    override of the held-out keys the comparison sets itself is refused with a clear error before any run starts."""
+
+    def no_run(*args):
+        raise AssertionError("a run started")
+
+    monkeypatch.setattr(compare, "run_variant", no_run)
+    argv = ["--config", TINY, "--steps", "3", "--warmup", "1"]
+    with pytest.raises(ConfigError, match="eval_fraction"):
+        compare.main([*argv, "--heldout-samples", "4", "data.eval_fraction=0"])
+    with pytest.raises(ConfigError, match="--heldout-samples -1"):
+        compare.main([*argv, "--heldout-samples", "-1"])
+    with pytest.raises(ConfigError, match=r"train\.generate_every"):
+        compare.main([*argv, "train.generate_every=1"])
 
 
 def test_variant_selection_refuses_bad_requests():
