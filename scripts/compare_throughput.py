@@ -147,9 +147,8 @@ RESERVED_KEYS = {
     "logging.run_name",
     "logging.timing_warmup_steps",
     "checkpoint.resume",
-    "train.generate_every",
-    "train.generate_samples",
 }
+HELDOUT_KEYS = {"train.generate_every", "train.generate_samples"}  # reserved too with --heldout-samples
 LIGER_FAMILIES = tuple(t for t, family in FAMILIES.items() if family.liger_rope)
 HOST_BOUND_THRESHOLD = 0.85  # gpu_busy under this flags a run as host-bound (module docstring)
 BUSY_SAMPLE_S = 0.1
@@ -659,7 +658,8 @@ def plot(results: list[RunResult], warmup: int, title: str, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    clashes = sorted({override_key(o) for o in args.overrides} & RESERVED_KEYS)
+    reserved = RESERVED_KEYS | HELDOUT_KEYS if args.heldout_samples else RESERVED_KEYS
+    clashes = sorted({override_key(o) for o in args.overrides} & reserved)
     if clashes:
         raise ConfigError(
             f"{clashes} are set by the comparison itself; use --steps/--warmup/--variants/--group/--heldout-samples."

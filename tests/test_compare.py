@@ -403,8 +403,8 @@ def test_last_heldout_reads_the_last_evaluation_of_a_run():
 
 
 def test_heldout_samples_without_a_held_out_split_are_refused_before_any_run(monkeypatch):
-    """--heldout-samples on a recipe without a held-out split (data.eval_fraction=0), a negative count, or an
-    override of the held-out keys the comparison sets itself is refused with a clear error before any run starts."""
+    """--heldout-samples on a recipe without a held-out split (data.eval_fraction=0), a negative count, or with an
+    override of the held-out keys it sets itself is refused with a clear error before any run starts."""
 
     def no_run(*args):
         raise AssertionError("a run started")
@@ -416,7 +416,7 @@ def test_heldout_samples_without_a_held_out_split_are_refused_before_any_run(mon
     with pytest.raises(ConfigError, match="--heldout-samples -1"):
         compare.main([*argv, "--heldout-samples", "-1"])
     with pytest.raises(ConfigError, match=r"train\.generate_every"):
-        compare.main([*argv, "train.generate_every=1"])
+        compare.main([*argv, "--heldout-samples", "4", "train.generate_every=1"])
 
 
 def test_variant_selection_refuses_bad_requests():
