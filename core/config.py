@@ -92,6 +92,10 @@ class KernelsConfig:
     # ViT patch embedding: "matmul" = transformers' Conv3d as the one matmul it is, faster on GPUs, weight gradients
     # accumulated in fp32 (modeling/patch_embed.py); "conv" = transformers' Conv3d
     patch_embed: Literal["conv", "matmul"] = "matmul"
+    # packed attention's varlen kernels on a GPU: auto = fa4 (FlashAttention-4, flash-attn-4) where installed and the
+    # GPU is Hopper or Blackwell, else fa2; fa4 runs only head dims it computes exactly, fa2 the others
+    # (modeling/attention_engines.py); the log says which part runs on which
+    attention: Literal["auto", "fa2", "fa4"] = "auto"
 
 
 @dataclass
@@ -132,6 +136,10 @@ class TrainConfig:
     # regional torch.compile of every decoder layer and ViT block (modeling/compile.py; the first step compiles);
     # "auto" = on with CUDA, off on the CPU (trainer/defaults.py)
     compile: bool | Literal["auto"] = "auto"
+    # float8 matmuls in the decoder layers' linears (torchao, modeling/fp8.py; needs compile and a GPU of compute
+    # capability >= 8.9): true / false; "auto" = on where measured faster with its loss curve inside bf16's spread
+    # (trainer/defaults.py says where that holds)
+    fp8: bool | Literal["auto"] = "auto"
     # before the model is built, compare the memory estimate (trainer/memory_estimate.py) with the device's: true =
     # stop in one line, with the overrides that fit, when it cannot fit; "warn" = log that line and go on; false = skip
     memory_check: bool | Literal["warn"] = True

@@ -21,8 +21,9 @@ Mechanism (the same on transformers 5.17 and 5.23):
   the packed run and the padded baseline.
 - Qwen3.5 Gated DeltaNet layers: see modeling/gated_delta.py.
 
-Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → flash-attn's varlen
-function when importable, else `torch.nn.attention.varlen.varlen_attn` (causal through `window_size=(-1, 0)`);
+Kernels: on CUDA, with bf16/fp16 q/k/v or under a bf16/fp16 autocast (`varlen_dtype`) → one varlen call on the
+engine `kernels.attention` chose (modeling/attention_engines.py: FlashAttention-4 where installed, on Hopper or
+Blackwell, for head dims it computes exactly; else FlashAttention-2 through flash-attn or torch's varlen_attn);
 otherwise (CPU, fp32) one SDPA call per segment, split by the host-side lengths. Inside a torch.compile trace
 (modeling/compile.py) the host-side lengths are never read, so a graph fits packs of any shape: the varlen call
 takes `cu_seqlens` and a symbolic `max_seqlen`, and the CPU / fp32 path becomes one SDPA call under a
@@ -32,11 +33,10 @@ block-diagonal mask built from `cu_seqlens` on the device.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
-import inspect
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +44,20 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-from modeling import context_parallel, gated_delta
+from modeling import attention_engines, context_parallel, gated_delta
 
 logger = logging.getLogger(__name__)
 
 PACKED_ATTENTION = "packed_flash_varlen"
-"""Registry name of the packed attention. It contains "flash" so vision blocks make one varlen call per layer;
-transformers refuses unknown "flash" names at load time, so `enable_packed_forward` sets it after loading."""
+"""Registry name of the packed attention on the fa2 engine (`attention_name` gives each engine's). It contains
+"flash" so vision blocks make one varlen call per layer; transformers refuses unknown "flash" names at load time, so
+`enable_packed_forward` sets it after loading."""
+
+
+def attention_name(engine: attention_engines.Engine) -> str:
+    """The attention-registry name of the packed attention on `engine` (modeling/attention_engines.py)."""
+    return PACKED_ATTENTION if engine == "fa2" else f"{PACKED_ATTENTION}_{engine}"
+
 
 PACK_KWARG = "packed_seqlens"
 
@@ -58,7 +65,6 @@ _VARLEN_DTYPES = (torch.bfloat16, torch.float16)
 VARLEN_DEVICES = ("cuda",)
 """Device types whose packed attention takes the varlen kernel (in a half dtype, `varlen_dtype`); elsewhere one SDPA
 call per segment. verification/packing_check.py reads it to know which kernels a low-precision packed run takes."""
-_HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 @dataclass(frozen=True)
@@ -79,18 +85,6 @@ class PackedSeqlens:
         return sum(self.sample_lengths)
 
 
-def _varlen_attn_takes_gqa() -> bool:
-    """torch 2.13's varlen_attn shares kv heads itself (`enable_gqa`); 2.11's needs them repeated."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:  # a torch without varlen_attn: the varlen path needs flash-attn
-        return False
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
-
-
-_VARLEN_ATTN_TAKES_GQA = _varlen_attn_takes_gqa()  # read once here, not in every torch.compile trace
-
-
 def varlen_kernel(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -101,52 +95,23 @@ def varlen_kernel(
     causal: bool,
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_k: int | None = None,
+    engine: attention_engines.Engine = "fa2",
 ) -> torch.Tensor:
     """One varlen call on the GPU. q (Tq,H,D), k/v (Tk,Hkv,D) bf16/fp16 → (Tq,H,D).
 
     The key segments are the query segments (`cu_seqlens`) unless `cu_seqlens_k` / `max_seqlen_k` are given
     (context parallelism: a query chunk against its document's key prefix). Where a key segment is longer than its
-    query segment, causal masking is aligned bottom-right — query i attends keys j <= i + seqlen_k - seqlen_q — in
-    both kernels: flash-attn >= 2.1 documents it for `causal=True` and for its window (`[i + seqlen_k - seqlen_q -
-    window_size[0], i + seqlen_k - seqlen_q + window_size[1]]`), and torch's varlen_attn runs the same flash kernel
+    query segment, causal masking is aligned bottom-right — query i attends keys j <= i + seqlen_k - seqlen_q:
+    flash-attn >= 2.1 documents it for `causal=True`, and torch's varlen_attn runs the same flash kernel
     (`aten._flash_attention_forward`, whose `is_causal=True` "means lower right": torch/nn/attention/bias.py).
+    `engine` (modeling/attention_engines.py) takes fa4 only for head dims it computes exactly, fa2 otherwise.
     """
     cu_seqlens = cu_seqlens.to(device=query.device, dtype=torch.int32, non_blocking=True)
     cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k.to(device=query.device, dtype=torch.int32)
     max_seqlen_k = max_seqlen if max_seqlen_k is None else max_seqlen_k
-    if _HAS_FLASH_ATTN:
-        from flash_attn import flash_attn_varlen_func
-
-        return flash_attn_varlen_func(
-            query,
-            key,
-            value,
-            cu_seqlens,
-            cu_seqlens_k,
-            max_seqlen,
-            max_seqlen_k,
-            softmax_scale=scaling,
-            causal=causal,
-        )
-    from torch.nn.attention.varlen import varlen_attn
-
-    window = (-1, 0) if causal else (-1, -1)
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1 and not _VARLEN_ATTN_TAKES_GQA:
-        key, value = (t.repeat_interleave(groups, dim=1) for t in (key, value))
-        groups = 1
-    extra = {"enable_gqa": True} if groups > 1 else {}
-    return varlen_attn(
-        query,
-        key,
-        value,
-        cu_seqlens,
-        cu_seqlens_k,
-        max_seqlen,
-        max_seqlen_k,
-        scale=scaling,
-        window_size=window,
-        **extra,
+    engine = attention_engines.engine_for_head_dim(engine, query.shape[-1])
+    return attention_engines.varlen_attention(
+        engine, query, key, value, cu_seqlens, cu_seqlens_k, max_seqlen, max_seqlen_k, scaling, causal
     )
 
 
@@ -271,9 +236,11 @@ def packed_attention_forward(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
+    engine: attention_engines.Engine = "fa2",
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention-registry entry: per-sample attention inside a pack.
+    """transformers attention-registry entry: per-sample attention inside a pack, on the varlen `engine` where the
+    GPU path applies (registered once per engine, `attention_name`).
 
     query (1,H,T,D), key/value (1,Hkv,T,D) (GQA heads not repeated) → (out (1,T,H,D), None).
     Vision calls bring their own `cu_seq_lens_q`/`max_length_q` and are bidirectional; text calls read the pack's
@@ -310,7 +277,7 @@ def packed_attention_forward(
         if max_seqlen is None:  # only a vision tower that did not precompute it: one sync per call
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
         q, k, v = (t[0].transpose(0, 1).to(half) for t in (query, key, value))
-        out = varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal)
+        out = varlen_kernel(q, k, v, cu_seqlens, max_seqlen, scaling, causal, engine=engine)
     elif torch.compiler.is_compiling():
         out = _masked_sdpa(query, key, value, cu_seqlens, scaling, causal)
     else:
@@ -346,20 +313,28 @@ def _configs(model: torch.nn.Module) -> list:
 
 
 def register_packed_attention() -> None:
-    """Register the attention function and its mask function (sdpa's) under `PACKED_ATTENTION`. Idempotent."""
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(PACKED_ATTENTION, sdpa_mask)
+    """Register the attention function and its mask function (sdpa's) under each engine's `attention_name`.
+    Idempotent."""
+    for engine in attention_engines.ENGINES:
+        name = attention_name(engine)
+        function = packed_attention_forward if engine == "fa2" else partial(packed_attention_forward, engine=engine)
+        AttentionInterface.register(name, function)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
 def enable_packed_forward(
-    model: torch.nn.Module, gated_delta_backend: gated_delta.Backend = "auto", compute_dtype: torch.dtype | None = None
+    model: torch.nn.Module,
+    gated_delta_backend: gated_delta.Backend = "auto",
+    compute_dtype: torch.dtype | None = None,
+    attention_engine: attention_engines.Engine = "fa2",
 ) -> str | None:
     """Make `model` take packed batches: registers the varlen attention, sets it on every config (text and vision),
     installs the position pre-hook and, for Qwen3.5 families, the boundary-exact Gated DeltaNet forward.
 
     gated_delta_backend: "auto" (fla's varlen kernels where they can train, else the torch path), "torch" or "fla";
     compute_dtype: the dtype the model computes in under autocast (default its parameters'), for fla's self-check
-    (modeling/gated_delta.py).
+    (modeling/gated_delta.py); attention_engine: the varlen engine of the GPU path (`kernels.attention` resolved by
+    `attention_engines.resolve_engine`).
     Returns the Gated DeltaNet backend in use ("torch" / "fla"), None for models without such layers.
     Raises ValueError if already enabled or when the requested Gated DeltaNet backend cannot train here (with the
     reason and what to install), so a run fails before its first step instead of mixing samples.
@@ -372,10 +347,15 @@ def enable_packed_forward(
     configs = _configs(model)
     previous = {id(c): c._attn_implementation for c in configs}
     for config in configs:
-        config._attn_implementation = PACKED_ATTENTION
+        config._attn_implementation = attention_name(attention_engine)
     hook = model.model.register_forward_pre_hook(_enter_pack, with_kwargs=True)
     model._packed_forward_state = _PackedForwardState(hook=hook, previous_attn=previous)
-    logger.info("packed forward: %s on %d configs; Gated DeltaNet backend: %s", PACKED_ATTENTION, len(configs), backend)
+    logger.info(
+        "packed forward: %s on %d configs; Gated DeltaNet backend: %s",
+        attention_name(attention_engine),
+        len(configs),
+        backend,
+    )
     return backend
 
 

@@ -74,3 +74,12 @@ def trainable_counts(model: nn.Module) -> dict[str, int]:
         seen |= params.keys()
         counts[part] = sum(p.numel() for p in params.values())
     return counts
+
+
+def attention_head_dims(model: nn.Module) -> dict[str, int]:
+    """The head dim of the language model's attention and of the ViT's, from the model's config."""
+    config = model.config
+    text, vision = config.text_config, config.vision_config
+    text_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    vision_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL names the ViT's width embed_dim
+    return {"text": text_dim, "vision": vision_width // vision.num_heads}

@@ -425,7 +425,7 @@ class _LeakGradientAcrossSamples(torch.autograd.Function):
         return grad + 0.1 * grad.roll(-8, dims=0)
 
 
-def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scaling, causal):
+def _varlen_with_backward_leak(query, key, value, cu_seqlens, max_seqlen, scaling, causal, engine="fa2"):
     """A stand-in varlen kernel (q (T,H,D)): exact forward (per-segment SDPA), a backward that leaks across samples."""
     import modeling.packed as packed
 

@@ -8,6 +8,11 @@ and stays light on a CPU:
                           precision already computes on bf16 parameters with fp32 masters and an fp32 reduce
                           (core/distributed.py); under DDP, which would reduce bf16 gradients in bf16; on the CPU;
                           and in float32 or float16
+    kernels.attention     auto → fa4 where flash-attn-4 imports and the GPU is Hopper or Blackwell, else fa2, with the
+                          reason (modeling/attention_engines.py); fa4 asked for where it cannot run is an error
+    train.fp8             auto → true only for the model types in FP8_AUTO_MODEL_TYPES (measured faster, 30-step loss
+                          curve inside bf16's run-to-run spread: docs/performance.md), on a GPU that runs float8,
+                          compiled, outside FSDP2; else false with the reason. true where it cannot run is an error
     data.num_workers      null → with CUDA, min(8, CPU cores per local process - 1), at least 1; on the CPU 0 (batches
                           collate in the prefetch thread: the cores are busy with the step itself); the rule is
                           data/pipeline.py's `default_loader_workers`, which build_data also applies to a null
@@ -25,17 +30,23 @@ import logging
 from accelerate import Accelerator
 from accelerate.utils import DistributedType
 
-from core.config import Config
+from core import families
+from core.config import Config, ConfigError
 from data.pipeline import cpu_cores, default_loader_workers, local_processes
+from modeling import attention_engines, fp8
 
 log = logging.getLogger(__name__)
 
+FP8_AUTO_MODEL_TYPES: frozenset[str] = frozenset()
+"""Model types whose training `train.fp8=auto` puts on float8: none yet (docs/performance.md#fp8 has the
+measurements and what each type still lacks)."""
+
 
 def resolve(cfg: Config, accelerator: Accelerator) -> Config:
-    """`cfg` with train.compile, train.master_weights and data.num_workers concrete (module docstring); a config
-    without `auto` / null there comes back unchanged and logs nothing."""
+    """`cfg` with train.compile, train.master_weights, kernels.attention and data.num_workers concrete (module
+    docstring); a config without `auto` / null there comes back unchanged and logs nothing."""
     on_cuda = accelerator.device.type == "cuda"
-    train, data, chosen = cfg.train, cfg.data, []
+    train, data, kernels, chosen = cfg.train, cfg.data, cfg.kernels, []
     if train.compile == "auto":
         train = dataclasses.replace(train, compile=on_cuda)
         chosen.append(f"train.compile=auto -> {str(on_cuda).lower()} ({'CUDA' if on_cuda else 'no CUDA'})")
@@ -43,6 +54,15 @@ def resolve(cfg: Config, accelerator: Accelerator) -> Config:
         mode, why = _master_weights(cfg, accelerator, on_cuda)
         train = dataclasses.replace(train, master_weights=mode)
         chosen.append(f"train.master_weights=auto -> {mode} ({why})")
+    if train.fp8 is not False:
+        enabled, why = _fp8(cfg, train, accelerator)
+        if train.fp8 == "auto":
+            chosen.append(f"train.fp8=auto -> {str(enabled).lower()} ({why})")
+        train = dataclasses.replace(train, fp8=enabled)
+    engine, why = attention_engines.resolve_engine(kernels.attention, accelerator.device)
+    if kernels.attention == "auto":
+        kernels = dataclasses.replace(kernels, attention=engine)
+        chosen.append(f"kernels.attention=auto -> {engine} ({why})")
     if data.num_workers is None:
         cores, local = cpu_cores(), local_processes()
         data = dataclasses.replace(data, num_workers=default_loader_workers(on_cuda, cores, local))
@@ -50,7 +70,27 @@ def resolve(cfg: Config, accelerator: Accelerator) -> Config:
         chosen.append(f"data.num_workers=null -> {data.num_workers} ({where})")
     for line in chosen:
         log.info("%s", line)
-    return dataclasses.replace(cfg, train=train, data=data) if chosen else cfg
+    return dataclasses.replace(cfg, train=train, data=data, kernels=kernels) if chosen else cfg
+
+
+def _fp8(cfg: Config, train, accelerator: Accelerator) -> tuple[bool, str]:
+    """train.fp8 made concrete (train.compile already is), and why; raises ConfigError for fp8=true where it cannot
+    run."""
+    blocker = fp8.fp8_unavailable(accelerator.device)
+    if blocker is None and not train.compile:
+        blocker = "train.compile is false (float8 casts and scales run as separate kernels without it)"
+    if blocker is None and accelerator.distributed_type == DistributedType.FSDP:
+        blocker = "not verified under FSDP2"
+    if train.fp8 is True:
+        if blocker is not None:
+            raise ConfigError(f"train.fp8=true cannot run here: {blocker}. Use train.fp8=auto or false.")
+        return True, "requested"
+    if blocker is not None:
+        return False, blocker
+    model_type = families.recipe_model_config(cfg.model.config or {}).get("model_type") if cfg.model.config else None
+    if model_type not in FP8_AUTO_MODEL_TYPES:
+        return False, f"model type {model_type} not in the types measured faster and exact under float8"
+    return True, f"{model_type}: measured faster, curve inside bf16's spread"
 
 
 def _master_weights(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[str, str]:

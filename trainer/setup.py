@@ -22,7 +22,7 @@ from accelerate.utils import DistributedType, set_seed
 from core import distributed
 from core.config import Config
 from data.pipeline import StepLoader, build_data, load_processor
-from modeling import context_parallel, lora, master_weights, parts, vision_plan
+from modeling import attention_engines, context_parallel, fp8, lora, master_weights, parts, vision_plan
 from modeling.build import build_model
 from modeling.compile import compile_blocks
 from modeling.packed import PACK_KWARG, enable_packed_forward
@@ -101,7 +101,11 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
             cfg.kernels.mrope,
             accelerator.device.type,
         )
-    enable_packed_forward(model, cfg.kernels.gated_delta, compute_dtype=getattr(torch, cfg.model.dtype))
+    enable_packed_forward(
+        model, cfg.kernels.gated_delta, getattr(torch, cfg.model.dtype), attention_engine=cfg.kernels.attention
+    )
+    if accelerator.device.type == "cuda":
+        log.info("attention: %s", attention_engines.describe(cfg.kernels.attention, parts.attention_head_dims(model)))
     if cp.context_size > 1:
         group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
         context_parallel.enable_context_parallel(model, group, PACK_KWARG)
@@ -121,6 +125,8 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
     parts.enable_gradient_checkpointing(
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
     )
+    if cfg.train.fp8:
+        log.info("train.fp8: %d decoder linears on float8 (torchao, tensorwise)", fp8.convert_decoder_linears(model))
     if cfg.train.compile:
         compile_blocks(model)
     log.info(

@@ -1,0 +1,55 @@
+"""FP8 matmuls for the language model's decoder layers: torchao's float8 training (`train.fp8`).
+
+`convert_decoder_linears` swaps each `nn.Linear` inside the decoder layers (attention projections, MLP, Qwen3.5's
+linear-attention projections) for torchao's `Float8Linear`: its forward and both backward matmuls run in float8
+(e4m3) with scales computed on the fly, the weights and their masters keep their dtypes, and the optimizer sees
+the same parameters. The ViT, the mergers, the embeddings and the lm_head stay in bf16 (small or precision-critical
+matmuls, where float8's casts cost more than they save: docs/performance.md), and so do linears whose widths are not
+multiples of 16 (float8 matmuls need them) and MoE experts (fused weights, not `nn.Linear`). Float8 pays only under
+torch.compile, which fuses its casts and scales into the neighbouring kernels: train.py refuses it without compile.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+from torch import nn
+
+from modeling import parts
+
+Recipe = Literal["tensorwise", "rowwise"]
+FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor-core matmuls: Ada, Hopper and newer
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why float8 training cannot run on `device`, or None when it can."""
+    if device.type != "cuda":
+        return "no CUDA device"
+    if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"compute capability {major}.{minor} has no float8 matmuls (8.9 or newer)"
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return "torchao is not installed (pip install -r requirements-fp8.txt)"
+    return None
+
+
+def _float8_ready(module: nn.Module, fqn: str) -> bool:
+    """A plain linear with float8-compatible widths that is no LoRA adapter (their rank-wide matmuls stay bf16)."""
+    shapes_fit = module.in_features % 16 == 0 and module.out_features % 16 == 0 if isinstance(module, nn.Linear) else 0
+    return bool(shapes_fit) and "lora_" not in fqn
+
+
+def convert_decoder_linears(model: nn.Module, recipe: Recipe = "tensorwise") -> int:
+    """Swap the decoder layers' eligible `nn.Linear`s for torchao `Float8Linear`s in place; returns how many."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    layers = parts.inner_model(model).language_model.layers
+    before = sum(isinstance(m, nn.Linear) for m in layers.modules())
+    for layer in layers:
+        convert_to_float8_training(layer, module_filter_fn=_float8_ready, config=config)
+    after = sum(type(m) is nn.Linear for m in layers.modules())
+    return before - after

@@ -1,0 +1,9 @@
+"""`python -m scripts.bench_attention`: the packed attention engines (fa2, fa4, flex) on the recipes' shapes. The
+command line of verification/attention_bench.py, whose docstring (and `--help`) says what it measures and how."""
+
+import sys
+
+from verification.attention_bench import main
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
