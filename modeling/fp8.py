@@ -7,13 +7,20 @@ the same parameters. The ViT, the mergers, the embeddings and the lm_head stay i
 matmuls, where float8's casts cost more than they save: docs/performance.md), and so do linears whose widths are not
 multiples of 16 (float8 matmuls need them) and MoE experts (fused weights, not `nn.Linear`). Float8 pays only under
 torch.compile, which fuses its casts and scales into the neighbouring kernels: train.py refuses it without compile.
+
+A pack's token count is any number, but the weight gradient's float8 matmul contracts over the tokens and needs a
+multiple of 16 (on the GPU: "Expected self.size(1) to be divisible by 16"). Each converted linear therefore pads its
+input rows with zeros to the next multiple of 16 and drops the extra output rows: zero rows change no scale (an
+amax) and add nothing to the weight gradient, so the result equals the unpadded float8 linear's.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from modeling import parts
@@ -42,14 +49,42 @@ def _float8_ready(module: nn.Module, fqn: str) -> bool:
     return bool(shapes_fit) and "lora_" not in fqn
 
 
+FLOAT8_ROWS = 16  # the token count the weight gradient's float8 matmul contracts over must be a multiple of this
+
+
+def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """x (..., K) as (rows', K) with rows' the next multiple of FLOAT8_ROWS (zero rows appended), and its row count."""
+    rows = x.shape[:-1].numel()
+    flat = x.reshape(rows, x.shape[-1])
+    return F.pad(flat, (0, 0, 0, (-rows) % FLOAT8_ROWS)), rows
+
+
+@functools.cache
+def row_padded_float8_linear() -> type:
+    """torchao's Float8Linear with its input rows padded (module docstring); one class, made on first use."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    class RowPaddedFloat8Linear(Float8Linear):
+        """torchao's Float8Linear on inputs of any token count (module docstring)."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            padded, rows = pad_rows(x)
+            return super().forward(padded)[:rows].reshape(*x.shape[:-1], -1)
+
+    return RowPaddedFloat8Linear
+
+
 def convert_decoder_linears(model: nn.Module, recipe: Recipe = "tensorwise") -> int:
-    """Swap the decoder layers' eligible `nn.Linear`s for torchao `Float8Linear`s in place; returns how many."""
+    """Swap the decoder layers' eligible `nn.Linear`s for row-padded torchao `Float8Linear`s in place (names and
+    parameters unchanged, so checkpoints and the optimizer see the same model); returns how many."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     config = Float8LinearConfig.from_recipe_name(recipe)
+    row_padded = row_padded_float8_linear()
     layers = parts.inner_model(model).language_model.layers
-    before = sum(isinstance(m, nn.Linear) for m in layers.modules())
     for layer in layers:
         convert_to_float8_training(layer, module_filter_fn=_float8_ready, config=config)
-    after = sum(type(m) is nn.Linear for m in layers.modules())
-    return before - after
+    converted = [m for m in layers.modules() if type(m) is row_padded.__base__]
+    for module in converted:
+        module.__class__ = row_padded
+    return len(converted)

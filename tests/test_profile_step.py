@@ -80,6 +80,12 @@ def test_rejects_a_step_count_below_one():
             "void cutlass::device_kernel<flash::enable_sm90_or_later<flash::FlashAttnFwdSm90<CollectiveMainloop>>>",
             "attention",
         ),
+        (
+            "kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90FlashAttentionForwardSm90_object_at__Tensorgmem",
+            "attention",
+        ),
+        ("_vision_table_kernel", "rope"),
+        ("_rope_kernel", "rope"),
         ("chunk_gated_delta_rule_fwd_kernel_h_blockdim64", "gated_delta"),
         ("void at::native::(anonymous namespace)::vectorized_layer_norm_kernel<float, float>", "norm"),
         ("void at::native::(anonymous namespace)::fused_adamMathFunctor", "optimizer"),

@@ -22,11 +22,13 @@ from trainer.step import PHASE
 # (category, regex searched case-insensitively in the kernel / op name). Ordered: the first match wins, so the
 # specific patterns come before the broad ones (fmha before cutlass, multi_tensor norm before norm, ...).
 CATEGORIES: tuple[tuple[str, str], ...] = (
-    # our Triton kernels (mrope_kernels/triton_rope.py); on CPU, their autograd functions (mrope_kernels/ops.py)
-    ("rope", r"_rope_kernel|_rotate_(heads|rows)|mrope_kernels::|_ropefunction"),
+    # our Triton kernels (mrope_kernels/triton_rope.py: the text rope and the ViT's table rope); on CPU, their
+    # autograd functions (mrope_kernels/ops.py)
+    ("rope", r"_rope_kernel|_vision_table_kernel|_rotate_(heads|rows)|mrope_kernels::|_ropefunction"),
     # flash-linear-attention's kernels (Qwen3.5's linear-attention layers); the "torch" backend's generic ops
     # cannot be told apart from other elementwise/matmul work.
     ("gated_delta", r"gated_delta|chunk_(local|fwd|bwd|scaled)|recompute_w_u|solve_tril|recurrent|causal_conv1d"),
+    # FlashAttention-2/-4 (FA4's CuTe kernels are named kernel_cutlass_..._flash_attncute...: before "matmul"'s cutlass)
     ("attention", r"flash|fmha|varlen|sdpa|scaled_dot_product|attention"),
     ("optimizer", r"adam|foreach|multi_tensor"),
     ("communication", r"nccl|all_?reduce|reduce_?scatter|all_?gather|c10d"),
