@@ -2,12 +2,13 @@
 
     python -m scripts.bench_fp8 --out artifacts/bench/fp8.json      # GPU (Hopper or newer); ~2 min on one H100
 
-Each case is one decoder layer's matmul work at a 16k-token pack: the MLP (gate and up projections, SiLU·mul,
-down projection) and the attention projections (q, k, v, o) with the recipe's widths, bf16 weights as the
-recipes train them. Variants: bf16; torchao's `rowwise` and `tensorwise` float8 recipes (`convert_to_float8_training`
-on every linear of the block). Each is compiled (float8 without compile is slower than bf16: its casts and scales
-are separate kernels) and timed with `triton.testing.do_bench` (median ms of forward + backward); the output's
-error against an fp32 copy of the block is printed beside (‖x − ref‖ / ‖ref‖).
+Each case is one decoder layer's matmul work at a 16k-token pack (a multiple of 16 rows: the padding modeling/fp8.py
+adds is left out): the MLP (gate and up projections, SiLU·mul, down projection) and the attention projections (q, k,
+v, o) with the recipe's widths, bf16 weights as the recipes train them. Variants: bf16; torchao's `rowwise` and
+`tensorwise` float8 recipes (`convert_to_float8_training` on every linear of the block). Each is compiled (float8
+without compile is slower than bf16: its casts and scales are separate kernels) and timed with
+`triton.testing.do_bench` (median ms of forward + backward); the output's error against an fp32 copy of the block
+is printed beside (‖x − ref‖ / ‖ref‖).
 """
 
 from __future__ import annotations
@@ -69,6 +70,8 @@ def run_shape(shape: tuple, variants: list[str], tokens: int, rep_ms: int) -> di
     row = {"shape": name, "hidden": hidden, "intermediate": intermediate, "tokens": tokens, "variants": {}}
     for variant_name in variants:
         try:
+            # every variant shares Block.forward's code: a fresh dynamo cache keeps each compiled (not past the limit)
+            torch._dynamo.reset()
             module = torch.compile(variant(block, variant_name))
             leaf = x.detach().clone().requires_grad_()
 
@@ -76,8 +79,7 @@ def run_shape(shape: tuple, variants: list[str], tokens: int, rep_ms: int) -> di
                 leaf.grad = None
                 module(leaf).backward(dout)
 
-            with torch.no_grad():
-                error = float((module(x).float() - ref).norm() / ref.norm())
+            error = float((module(leaf).detach().float() - ref).norm() / ref.norm())
             row["variants"][variant_name] = {
                 "fwd_bwd_ms": triton.testing.do_bench(step, warmup=25, rep=rep_ms, return_mode="median"),
                 "error": error,
