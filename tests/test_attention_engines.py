@@ -29,7 +29,7 @@ def test_auto_without_cuda_resolves_to_fa2_and_says_why():
 
 def test_fa4_where_it_cannot_run_is_an_error_naming_the_cause():
     """kernels.attention=fa4 on a host without it stops with one line saying what is missing, never a silent fa2."""
-    with pytest.raises(ValueError, match="kernels.attention=fa4 cannot run here: .*(not installed|no CUDA)"):
+    with pytest.raises(ValueError, match=r"kernels.attention=fa4 cannot run here: .*(not installed|no CUDA)"):
         attention_engines.resolve_engine("fa4", torch.device("cpu"))
     with pytest.raises(ValueError, match="must be auto, fa2 or fa4"):
         attention_engines.resolve_engine("fa3", torch.device("cpu"))

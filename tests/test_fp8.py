@@ -72,5 +72,5 @@ def test_fp8_auto_off_without_a_gpu_and_true_refused():
     cfg = load_config("recipes/tiny-qwen2_5_vl.yaml")
     assert defaults.resolve(cfg, ACCELERATOR).train.fp8 is False
     forced = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, fp8=True))
-    with pytest.raises(ConfigError, match="train.fp8=true cannot run here: no CUDA device"):
+    with pytest.raises(ConfigError, match=r"train.fp8=true cannot run here: no CUDA device"):
         defaults.resolve(forced, ACCELERATOR)
