@@ -27,8 +27,8 @@ import train
 from core.config import load_config
 from data.processing import IGNORE_INDEX
 from lifecycle.run_files import read_metrics
+from modeling import attention_engines, gated_delta, packed, parts
 from modeling import compile as regional
-from modeling import gated_delta, packed, parts
 from modeling.eager_reductions import (
     LAYER_NORM_OPS,
     ROW_OPS,
@@ -538,7 +538,7 @@ def varlen_path_on_cpu(monkeypatch):
     torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_attn_on_cpu)
     torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _varlen_attn_backward_on_cpu)
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(packed, "_HAS_FLASH_ATTN", False)
+    monkeypatch.setattr(attention_engines, "_HAS_FLASH_ATTN_2", False)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from modeling import context_parallel, packed
+from modeling import attention_engines, context_parallel, packed
 from verification.provenance import provenance
 
 REFERENCE = "one_gpu"
@@ -253,9 +253,7 @@ def ours(problem: Problem, rank: int, world_size: int, group: dist.ProcessGroup)
     varlen = q.device.type in packed.VARLEN_DEVICES and packed.varlen_dtype(q, k, v) is not None
     kernel = "sdpa per chunk (the path off CUDA or in fp32)"
     if varlen:
-        kernel = "flash_attn.flash_attn_varlen_func" if packed._HAS_FLASH_ATTN else "torch varlen_attn"
-        if not packed._HAS_FLASH_ATTN and not packed._VARLEN_ATTN_TAKES_GQA:
-            kernel += " (kv heads repeated: this torch's varlen_attn has no enable_gqa)"
+        kernel = attention_engines.fa2_kernel_name()  # context parallelism runs on the fa2 engine
     yield (
         step,
         {
