@@ -34,7 +34,7 @@ dq off by more than 100% relative: those calls stay on fa2."""
 
 # flash-attn 2 installs `flash_attn/flash_attn_interface.py`; flash-attn-4 installs only the `flash_attn.cute`
 # namespace package, so finding "flash_attn" alone does not tell which is there.
-_HAS_FLASH_ATTN_2 = importlib.util.find_spec("flash_attn") is not None and (
+HAS_FLASH_ATTN_2 = importlib.util.find_spec("flash_attn") is not None and (
     importlib.util.find_spec("flash_attn.flash_attn_interface") is not None
 )
 
@@ -46,7 +46,7 @@ def _find_fa4() -> bool:
         return False
 
 
-_HAS_FLASH_ATTN_4 = _find_fa4()
+HAS_FLASH_ATTN_4 = _find_fa4()
 
 
 def _varlen_attn_takes_gqa() -> bool:
@@ -63,7 +63,7 @@ _VARLEN_ATTN_TAKES_GQA = _varlen_attn_takes_gqa()  # read once here, not in ever
 
 def fa2_kernel_name() -> str:
     """What the fa2 engine calls here, for logs and benchmark records."""
-    if _HAS_FLASH_ATTN_2:
+    if HAS_FLASH_ATTN_2:
         return "flash_attn.flash_attn_varlen_func"
     return "torch varlen_attn" + ("" if _VARLEN_ATTN_TAKES_GQA else " (kv heads repeated: no enable_gqa)")
 
@@ -81,7 +81,7 @@ def resolve_engine(requested: str, device: torch.device | None = None) -> tuple[
         return "fa2", f"requested ({fa2_kernel_name()})"
     on_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
     missing = None
-    if not _HAS_FLASH_ATTN_4:
+    if not HAS_FLASH_ATTN_4:
         missing = "flash-attn-4 is not installed (pip install -r requirements-fa4.txt)"
     elif not on_cuda:
         missing = "no CUDA device"
@@ -106,7 +106,7 @@ def describe(engine: Engine, head_dims: dict[str, int]) -> str:
 
 
 def _fa2(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
-    if _HAS_FLASH_ATTN_2:
+    if HAS_FLASH_ATTN_2:
         from flash_attn import flash_attn_varlen_func
 
         return flash_attn_varlen_func(

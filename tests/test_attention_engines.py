@@ -3,7 +3,6 @@ calls each takes, and — on a GPU with flash-attn-4 — that fa4 computes what 
 
 from __future__ import annotations
 
-import importlib.util
 import types
 
 import pytest
@@ -17,7 +16,7 @@ from tests.test_packed_forward import MIXED_PACK
 from trainer import defaults
 from verification.packing_check import pack_samples
 
-HAS_FA4 = importlib.util.find_spec("flash_attn") is not None and attention_engines._find_fa4()
+HAS_FA4 = attention_engines.HAS_FLASH_ATTN_4
 
 
 def test_auto_without_cuda_resolves_to_fa2_and_says_why():

@@ -538,7 +538,7 @@ def varlen_path_on_cpu(monkeypatch):
     torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _varlen_attn_on_cpu)
     torch.library.register_kernel("torch_attn::_varlen_attn_backward", "cpu", _varlen_attn_backward_on_cpu)
     monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
-    monkeypatch.setattr(attention_engines, "_HAS_FLASH_ATTN_2", False)
+    monkeypatch.setattr(attention_engines, "HAS_FLASH_ATTN_2", False)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
