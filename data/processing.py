@@ -23,13 +23,12 @@ from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data.config import DataConfig
-from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
+from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref, resolve_video
 from data.positions import rope_index_fn
 from data.video import (
     VideoSettings,
     grid_timestamps,
     load_clip,
-    resolve_video,
     second_per_grid,
     uses_timestamps,
     video_grid,
