@@ -22,7 +22,7 @@ import torch
 from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from data.config import DataConfig
+from core.data_config import DataConfig
 from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref, resolve_video
 from data.positions import rope_index_fn
 from data.video import (
@@ -241,7 +241,7 @@ class SampleProcessor:
     Args: processor (a Qwen-VL processor: tokenizer, image_processor, chat template), model_config (the HF config;
     its get_rope_index makes the positions), data_format ('auto'|'llava'|'messages'), image_root (for relative
     paths), min_pixels / max_pixels (image bounds; None keeps the processor's), video (VideoSettings; None: the
-    defaults of data.config.DataConfig), raise_errors (on_error: raise), max_visual_tokens (per-sample budget of
+    defaults of core.data_config.DataConfig), raise_errors (on_error: raise), max_visual_tokens (per-sample budget of
     image and video tokens, `fit_visuals`; None: no budget).
     """
 

@@ -158,7 +158,7 @@ class VideoSettings:
 
     @classmethod
     def from_config(cls, data_cfg, image_processor) -> VideoSettings:
-        """From the recipe's `data` section (data.config.DataConfig)."""
+        """From the recipe's `data` section (core.data_config.DataConfig)."""
         size = video_size_kwargs(
             image_processor,
             data_cfg.min_pixels,

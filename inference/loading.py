@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from core.config import Config, load_config
 from core.config_tree import ConfigError
-from data.config import DataConfig
+from core.data_config import DataConfig
 from data.pipeline import load_processor
 from lifecycle.checkpoint import COMPLETE, latest_checkpoint
 from modeling.build import build_model

@@ -18,9 +18,9 @@ from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
 from core.config import load_config
+from core.data_config import PackingConfig
 from core.families import MODEL_TYPES, hf_config
 from core.special_tokens import EOS_ID
-from data.config import PackingConfig
 from data.formats import DataError
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
