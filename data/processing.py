@@ -197,24 +197,21 @@ def _storable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _skipped(sample_id: str, error: SampleError) -> dict:
-    return {
-        "sample_id": sample_id,
-        "skip_reason": error.reason,
-        "skip_detail": _storable(error.detail),
-        "input_ids": [],
-        "labels": [],
-        "mrope_positions": [],
-        "image_grid_thw": [],
-        "images": [],
-        "video_grid_thw": [],
-        "videos": [],
-        "second_per_grid_ts": [],
-        "image_sizes": [],
-        "video_settings": [],
-        "length": 0,
-        "num_patches": 0,
+def empty_row(**fields) -> dict:
+    """A row of PROCESSED_FEATURES with no tokens, image or video (every list column [], every number 0, every text
+    ""), with `fields` set; a field PROCESSED_FEATURES does not have is a KeyError."""
+    row = {
+        name: [] if isinstance(feature, List) else "" if feature.dtype == "string" else 0
+        for name, feature in PROCESSED_FEATURES.items()
     }
+    unknown = sorted(set(fields) - set(row))
+    if unknown:
+        raise KeyError(f"{unknown} are not processed-row columns (PROCESSED_FEATURES)")
+    return {**row, **fields}
+
+
+def _skipped(sample_id: str, error: SampleError) -> dict:
+    return empty_row(sample_id=sample_id, skip_reason=error.reason, skip_detail=_storable(error.detail))
 
 
 def parse_record(record: Mapping) -> Mapping:
