@@ -21,6 +21,10 @@ from data.video import Clip, load_clip, video_patches
 
 logger = logging.getLogger(__name__)
 TEXT, IMAGE, VIDEO = 0, 1, 2
+# The batch's image and video inputs the model's forward takes (docs/architecture.md, "The packed batch"), None where
+# a pack has none; VIDEO_SECONDS (None likewise) only shapes positions, which the batch carries precomputed.
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+VIDEO_SECONDS = "second_per_grid_ts"
 
 
 def label_rows(shift_labels: np.ndarray | torch.Tensor) -> torch.Tensor:
