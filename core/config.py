@@ -11,8 +11,8 @@ from typing import Literal
 
 from core import config_tree
 from core.config_tree import ConfigError, check_seed
+from core.data_config import DataConfig, PackingConfig
 from core.families import recipe_model_config
-from data.config import DataConfig, PackingConfig
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The model families this repo trains: every per-family fact, declared once, and how a recipe names its model.
 
 Read by the rope patch (rotary classes, mRoPE lane layout), the tiny and image-only processors (processor class),
-the FLOP model (ViT width key, windowed ViT), scripts/compare_throughput.py (which families Liger-Kernel can rope)
+the FLOP model (ViT width key, windowed ViT), verification/throughput_compare.py (which families Liger-Kernel can rope)
 and the model builder (which model types a recipe may name). Adding a family means adding one `Family` here.
 """
 
@@ -58,7 +58,7 @@ class Family:
     processor: str  # the image-only processor class in data/image_only_processor.py
     window_vision_model: str | None = None  # vision tower with window attention (reorders rotary tables per window)
     vit_width_key: str = "hidden_size"  # vision_config key of the ViT's attention width
-    liger_rope: bool = False  # Liger-Kernel ships a rope for this family (scripts/compare_throughput.py)
+    liger_rope: bool = False  # Liger-Kernel ships a rope for this family (verification/throughput_compare.py)
 
     @property
     def modeling_module(self) -> str:

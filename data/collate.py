@@ -16,11 +16,15 @@ import numpy as np
 import torch
 
 from data.formats import DataError, SampleError, load_image
-from data.processing import IGNORE_INDEX, bounds_kwargs
+from data.processing import IGNORE_INDEX, bounds_kwargs, empty_row
 from data.video import Clip, load_clip, video_patches
 
 logger = logging.getLogger(__name__)
 TEXT, IMAGE, VIDEO = 0, 1, 2
+# The batch's image and video inputs the model's forward takes (docs/architecture.md, "The packed batch"), None where
+# a pack has none; VIDEO_SECONDS (None likewise) only shapes positions, which the batch carries precomputed.
+VISION_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+VIDEO_SECONDS = "second_per_grid_ts"
 
 
 def label_rows(shift_labels: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -65,20 +69,14 @@ class Collator:
         """A row of the same length with no image, no video and no label: it keeps the pack (and so the plan, the
         rank balance and the resume position) as planned while contributing nothing to the loss."""
         length = int(row["length"])
-        return {
-            **row,
-            "input_ids": [self.pad_token_id] * length,
-            "labels": [IGNORE_INDEX] * length,
-            "mrope_positions": [list(range(length))] * 3,
-            "image_grid_thw": [],
-            "images": [],
-            "video_grid_thw": [],
-            "videos": [],
-            "second_per_grid_ts": [],
-            "image_sizes": [],
-            "video_settings": [],
-            "num_patches": 0,
-        }
+        text = empty_row(
+            sample_id=row["sample_id"],
+            input_ids=[self.pad_token_id] * length,
+            labels=[IGNORE_INDEX] * length,
+            mrope_positions=[list(range(length))] * 3,
+            length=length,
+        )
+        return {**row, **text}
 
     def decoded(self, rows: list[dict]) -> tuple[list[dict], list, list[Clip], int]:
         """(rows, their images and video clips decoded in order, how many rows were replaced by stand-ins).

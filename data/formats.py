@@ -1,9 +1,12 @@
-"""Record layouts → one canonical conversation, and image references → PIL images.
+"""Record layouts → one canonical conversation with its image and video references, and image references → PIL
+images.
 
 Canonical form: `messages` = [{"role": "system"|"user"|"assistant", "content": [{"type": "image"} |
 {"type": "video"} | {"type": "text", "text": str}]}] plus `images` and `videos`, the references in placeholder
 order. Image references are {"path": str | None, "bytes": bytes | None} dicts (the layout of
-`datasets.Image(decode=False)`); video references are data/video.py's.
+`datasets.Image(decode=False)`). A video reference is {"path": str | None, "bytes": bytes | None, "frames": [image
+references]}: a file (path or bytes) when `frames` is empty, else the frames in time order; data/video.py decodes
+and samples it.
 
 Bad records raise `SampleError(reason, detail)`; the pipeline counts them by reason (see SKIP_REASONS).
 """
@@ -45,6 +48,9 @@ TRANSPARENT_BACKGROUND = (255, 255, 255)  # white: what viewers and browsers sho
 LLAVA_TURN_KEYS = frozenset({"from", "value"})
 MESSAGE_KEYS = frozenset({"role", "content"})
 CONTENT_ITEM_KEYS = frozenset({"type", "text", "image", "video", "url", "path"})
+VIDEO_EXTENSIONS = frozenset(
+    (".mp4", ".avi", ".mov", ".mkv", ".webm", ".flv", ".m4v", ".mpeg", ".mpg", ".wmv", ".3gp", ".ts", ".gif")
+)
 
 
 class DataError(ValueError):
@@ -124,6 +130,67 @@ def _record_images(record: Mapping) -> list[dict]:
     return [image_ref(v) for v in values if v is not None]
 
 
+def _is_video_file(value) -> bool:
+    """A path (or {"path": ...}) with a video file's extension, or {"bytes": ...} that is not an image (e.g. a
+    datasets Video column, which holds file bytes)."""
+    path = value.get("path") if isinstance(value, Mapping) else value
+    if isinstance(path, str):
+        return os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
+    data = value.get("bytes") if isinstance(value, Mapping) else None
+    if not isinstance(data, bytes | bytearray):
+        return False
+    try:
+        Image.open(io.BytesIO(data)).close()  # reads the header only
+    except (OSError, ValueError, Image.DecompressionBombError):
+        return True
+    return False
+
+
+def video_ref(value) -> dict:
+    """One video (a file path, file bytes, a frame list, or a {"path"|"bytes"|"frames"|"video": ...} dict) as
+    {"path", "bytes", "frames"}."""
+    if isinstance(value, str):
+        return {"path": value, "bytes": None, "frames": []}
+    if isinstance(value, bytes | bytearray):
+        return {"path": None, "bytes": bytes(value), "frames": []}
+    if isinstance(value, Mapping):
+        if value.get("frames"):
+            return video_ref(list(value["frames"]))
+        if value.get("video") is not None:
+            return video_ref(value["video"])
+        if value.get("path") or value.get("bytes"):
+            return {"path": value.get("path"), "bytes": value.get("bytes"), "frames": []}
+        return {"path": None, "bytes": None, "frames": []}  # an empty frame list
+    if isinstance(value, list | tuple):
+        frames = []
+        for frame in value:
+            try:
+                frames.append(image_ref(frame))
+            except SampleError as error:
+                raise SampleError("corrupt_video", f"frame {len(frames)}: {error.detail}") from None
+        return {"path": None, "bytes": None, "frames": frames}
+    raise SampleError("corrupt_video", f"unsupported video reference of type {type(value).__name__}")
+
+
+def record_videos(value, placeholders: int) -> list[dict]:
+    """The videos of a record's "video"/"videos" value, in order.
+
+    A string is one file; a flat list of video-file paths is several files; a list holding lists (or frame dicts)
+    is several videos; any other flat list is one video's frames. An empty list is no video, except under exactly
+    one `<video>` placeholder, where it is that video's (empty) frame list.
+    """
+    if value is None:
+        return []
+    if not isinstance(value, list | tuple):
+        return [video_ref(value)]
+    if not value:
+        return [video_ref([])] if placeholders == 1 else []
+    several = any(isinstance(v, list | tuple) or (isinstance(v, Mapping) and "frames" in v) for v in value)
+    if several or all(_is_video_file(v) for v in value):
+        return [video_ref(v) for v in value]
+    return [video_ref(value)]
+
+
 def _text_item(text: str) -> dict:
     return {"type": "text", "text": text}
 
@@ -146,15 +213,7 @@ def _count(messages: list[dict], kind: str) -> int:
 
 
 def _record_videos(record: Mapping, messages: list[dict]) -> list[dict]:
-    from data.video import record_videos  # imported here: data.video builds on this module (a cycle at import)
-
     return record_videos(record.get("videos", record.get("video")), _count(messages, "video"))
-
-
-def _inline_video(payload) -> list[dict]:
-    from data.video import video_ref
-
-    return [video_ref(payload)]
 
 
 def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
@@ -194,7 +253,7 @@ def _content_items(content, where: str) -> tuple[list[dict], list[dict], list[di
             items.append({"type": "video"})
             payload = next((item[k] for k in ("video", "url", "path") if item.get(k) is not None), None)
             if payload is not None:
-                videos += _inline_video(payload)
+                videos.append(video_ref(payload))
         else:
             raise SampleError("unknown_format", f"content item type {kind!r} (only text, image and video)")
     return items, images, videos
@@ -252,6 +311,12 @@ def resolve_ref(ref: Mapping, image_root: str | None) -> dict:
     if ref.get("bytes") is None and path and image_root and not os.path.isabs(path):
         path = os.path.join(image_root, path)
     return {"path": path, "bytes": ref.get("bytes")}
+
+
+def resolve_video(ref: Mapping, root: str | None) -> dict:
+    """The same reference with relative file and frame paths made absolute against `root` (data.image_root)."""
+    resolved = resolve_ref(ref, root)
+    return {**resolved, "frames": [resolve_ref(frame, root) for frame in ref.get("frames") or []]}
 
 
 def _scaled_to_8_bit(image: Image.Image) -> Image.Image:

@@ -36,9 +36,9 @@ from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, Pretr
 from transformers.utils import cached_file
 
 from core.config_tree import ConfigError
+from core.data_config import DataConfig, PackingConfig, source_data_config, source_names
 from core.families import hf_config
 from data.collate import Collator
-from data.config import DataConfig, PackingConfig, source_data_config, source_names
 from data.formats import DataError
 from data.image_files import files_signature, list_files
 from data.packing import ConsumedSteps, Leftover, Pack, PackItem, deal_steps, pack_stream, packs_after, whole_groups

@@ -22,14 +22,13 @@ import torch
 from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from data.config import DataConfig
-from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
+from core.data_config import DataConfig
+from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref, resolve_video
 from data.positions import rope_index_fn
 from data.video import (
     VideoSettings,
     grid_timestamps,
     load_clip,
-    resolve_video,
     second_per_grid,
     uses_timestamps,
     video_grid,
@@ -198,24 +197,21 @@ def _storable(text: str) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
-def _skipped(sample_id: str, error: SampleError) -> dict:
-    return {
-        "sample_id": sample_id,
-        "skip_reason": error.reason,
-        "skip_detail": _storable(error.detail),
-        "input_ids": [],
-        "labels": [],
-        "mrope_positions": [],
-        "image_grid_thw": [],
-        "images": [],
-        "video_grid_thw": [],
-        "videos": [],
-        "second_per_grid_ts": [],
-        "image_sizes": [],
-        "video_settings": [],
-        "length": 0,
-        "num_patches": 0,
+def empty_row(**fields) -> dict:
+    """A row of PROCESSED_FEATURES with no tokens, image or video (every list column [], every number 0, every text
+    ""), with `fields` set; a field PROCESSED_FEATURES does not have is a KeyError."""
+    row = {
+        name: [] if isinstance(feature, List) else "" if feature.dtype == "string" else 0
+        for name, feature in PROCESSED_FEATURES.items()
     }
+    unknown = sorted(set(fields) - set(row))
+    if unknown:
+        raise KeyError(f"{unknown} are not processed-row columns (PROCESSED_FEATURES)")
+    return {**row, **fields}
+
+
+def _skipped(sample_id: str, error: SampleError) -> dict:
+    return empty_row(sample_id=sample_id, skip_reason=error.reason, skip_detail=_storable(error.detail))
 
 
 def parse_record(record: Mapping) -> Mapping:
@@ -242,7 +238,7 @@ class SampleProcessor:
     Args: processor (a Qwen-VL processor: tokenizer, image_processor, chat template), model_config (the HF config;
     its get_rope_index makes the positions), data_format ('auto'|'llava'|'messages'), image_root (for relative
     paths), min_pixels / max_pixels (image bounds; None keeps the processor's), video (VideoSettings; None: the
-    defaults of data.config.DataConfig), raise_errors (on_error: raise), max_visual_tokens (per-sample budget of
+    defaults of core.data_config.DataConfig), raise_errors (on_error: raise), max_visual_tokens (per-sample budget of
     image and video tokens, `fit_visuals`; None: no budget).
     """
 

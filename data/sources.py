@@ -19,7 +19,7 @@ from pathlib import Path
 from datasets import Dataset, Image, IterableDataset, List, Video, load_dataset, load_from_disk
 
 from core.config_tree import ConfigError
-from data.config import DataConfig
+from core.data_config import DataConfig
 from data.formats import DataError
 from data.processing import RECORD_JSON_COLUMN, RECORD_JSON_FEATURES, RECORD_LOCATION_COLUMN
 from data.synthetic import write_builtin_dataset

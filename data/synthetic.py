@@ -11,6 +11,8 @@ LLaVA/ShareGPT form (`conversations` with `from`/`value`, `<image>` / `<video>` 
 list of paths, `video` a list of frame paths, `category` the question kind), so the built-in dataset goes through
 exactly the same loader as user data. Every kind but the text-only ones (TEXT_KINDS) needs the image or video to be
 answered: held-out accuracy on those kinds shows whether a model looks (inference/builtin_eval.py).
+The kinds' names are declared with the recipe schema (core/data_config.py's KINDS), which `data.builtin_kinds`
+checks against.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
+
+from core.data_config import EXTRA_IMAGE_KINDS, IMAGE_KINDS, TEXT_KINDS, VIDEO_KINDS
 
 COLORS = {
     "red": (220, 40, 40),
@@ -41,16 +45,9 @@ NUMBER_WORDS = ("zero", "one", "two", "three", "four", "five", "six")
 REGIONS = ("top left", "top right", "bottom left", "bottom right")
 # (width, height) in pixels: with the tiny processors (patch 14 or 16, merge 2) these give ~16-150 image tokens.
 IMAGE_SIZES = ((112, 112), (168, 112), (112, 196), (224, 224), (280, 168), (168, 308), (336, 252), (252, 336))
-IMAGE_KINDS = ("count", "color", "position", "text", "caption", "multi_count", "multi_color", "multi_turn")
-KIND_WEIGHTS = (3, 3, 2, 2, 2, 1, 1, 1)
+KIND_WEIGHTS = (3, 3, 2, 2, 2, 1, 1, 1)  # one per IMAGE_KINDS entry
 TEXT_ONLY_SHARE = 0.15
 VIDEO_SHARE = 0.2  # default share of video samples (data.video_share)
-VIDEO_KINDS = ("direction", "direction_and_image")
-TEXT_KINDS = ("arithmetic", "spelling")  # text-only questions: the answer is in the question
-# Image kinds outside the default mix (data.builtin_kinds selects them): "background" asks for the colour most of the
-# image shows, the first thing a vision path learns; the CPU smoke run proves with it that the model looks.
-EXTRA_IMAGE_KINDS = ("background",)
-KINDS = (*IMAGE_KINDS, *EXTRA_IMAGE_KINDS, *VIDEO_KINDS, *TEXT_KINDS)  # every record's `category`
 DIRECTIONS = {  # (start, end) of the centre in fractions of the frame
     "from left to right": ((0.2, 0.5), (0.8, 0.5)),
     "from right to left": ((0.8, 0.5), (0.2, 0.5)),

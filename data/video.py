@@ -1,7 +1,7 @@
-"""Videos: references, frames (frame lists or decoded files), sampling, per-frame resize, patches and frame times.
+"""Videos: frames (frame lists or decoded files), sampling, per-frame resize, patches and frame times.
 
-A video reference is {"path": str | None, "bytes": bytes | None, "frames": [image references]}: a file (path or
-bytes, decoded with PyAV) when `frames` is empty, else the frames in time order, taken as sampled at data.video_fps.
+A video reference (data/formats.py reads them from records) is a file (path or bytes, decoded with PyAV) when its
+`frames` is empty, else the frames in time order, taken as sampled at data.video_fps.
 Either way at most data.video_max_frames frames are kept, uniformly spread; a file is first sampled to
 data.video_fps. Each frame is resized by the image processor's own rule within per-frame pixel bounds, and the
 frames are grouped by the vision tower's temporal patch size exactly as transformers' Qwen video processors do
@@ -22,11 +22,8 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-from data.formats import SampleError, image_ref, load_image, resolve_ref
+from data.formats import SampleError, load_image
 
-VIDEO_EXTENSIONS = frozenset(
-    (".mp4", ".avi", ".mov", ".mkv", ".webm", ".flv", ".m4v", ".mpeg", ".mpg", ".wmv", ".3gp", ".ts", ".gif")
-)
 # Families whose processor writes a "<t seconds>" timestamp before each temporal patch and whose get_rope_index
 # gives every temporal patch its own (1, h, w) grid (transformers' Qwen3VLProcessor.replace_video_token).
 TIMESTAMPED_VIDEO_MODEL_TYPES = frozenset(("qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"))
@@ -39,73 +36,6 @@ class VideoDecoderMissing(RuntimeError):
 
 def uses_timestamps(model_config) -> bool:
     return model_config.model_type in TIMESTAMPED_VIDEO_MODEL_TYPES
-
-
-def _is_video_file(value) -> bool:
-    """A path (or {"path": ...}) with a video file's extension, or {"bytes": ...} that is not an image (e.g. a
-    datasets Video column, which holds file bytes)."""
-    path = value.get("path") if isinstance(value, Mapping) else value
-    if isinstance(path, str):
-        return os.path.splitext(path)[1].lower() in VIDEO_EXTENSIONS
-    data = value.get("bytes") if isinstance(value, Mapping) else None
-    if not isinstance(data, bytes | bytearray):
-        return False
-    try:
-        Image.open(io.BytesIO(data)).close()  # reads the header only
-    except (OSError, ValueError, Image.DecompressionBombError):
-        return True
-    return False
-
-
-def video_ref(value) -> dict:
-    """One video (a file path, file bytes, a frame list, or a {"path"|"bytes"|"frames"|"video": ...} dict) as
-    {"path", "bytes", "frames"}."""
-    if isinstance(value, str):
-        return {"path": value, "bytes": None, "frames": []}
-    if isinstance(value, bytes | bytearray):
-        return {"path": None, "bytes": bytes(value), "frames": []}
-    if isinstance(value, Mapping):
-        if value.get("frames"):
-            return video_ref(list(value["frames"]))
-        if value.get("video") is not None:
-            return video_ref(value["video"])
-        if value.get("path") or value.get("bytes"):
-            return {"path": value.get("path"), "bytes": value.get("bytes"), "frames": []}
-        return {"path": None, "bytes": None, "frames": []}  # an empty frame list
-    if isinstance(value, list | tuple):
-        frames = []
-        for frame in value:
-            try:
-                frames.append(image_ref(frame))
-            except SampleError as error:
-                raise SampleError("corrupt_video", f"frame {len(frames)}: {error.detail}") from None
-        return {"path": None, "bytes": None, "frames": frames}
-    raise SampleError("corrupt_video", f"unsupported video reference of type {type(value).__name__}")
-
-
-def record_videos(value, placeholders: int) -> list[dict]:
-    """The videos of a record's "video"/"videos" value, in order.
-
-    A string is one file; a flat list of video-file paths is several files; a list holding lists (or frame dicts)
-    is several videos; any other flat list is one video's frames. An empty list is no video, except under exactly
-    one `<video>` placeholder, where it is that video's (empty) frame list.
-    """
-    if value is None:
-        return []
-    if not isinstance(value, list | tuple):
-        return [video_ref(value)]
-    if not value:
-        return [video_ref([])] if placeholders == 1 else []
-    several = any(isinstance(v, list | tuple) or (isinstance(v, Mapping) and "frames" in v) for v in value)
-    if several or all(_is_video_file(v) for v in value):
-        return [video_ref(v) for v in value]
-    return [video_ref(value)]
-
-
-def resolve_video(ref: Mapping, root: str | None) -> dict:
-    """The same reference with relative file and frame paths made absolute against `root` (data.image_root)."""
-    resolved = resolve_ref(ref, root)
-    return {**resolved, "frames": [resolve_ref(frame, root) for frame in ref.get("frames") or []]}
 
 
 @dataclass
@@ -228,7 +158,7 @@ class VideoSettings:
 
     @classmethod
     def from_config(cls, data_cfg, image_processor) -> VideoSettings:
-        """From the recipe's `data` section (data.config.DataConfig)."""
+        """From the recipe's `data` section (core.data_config.DataConfig)."""
         size = video_size_kwargs(
             image_processor,
             data_cfg.min_pixels,

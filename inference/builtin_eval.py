@@ -17,13 +17,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from data.config import DataConfig
+from core.data_config import KINDS, TEXT_KINDS, DataConfig
 from data.formats import SampleError, normalize_record
 from data.pipeline import cache_root
 from data.processing import parse_record
 from data.row_meta import is_eval_row
 from data.sources import open_records
-from data.synthetic import KINDS, TEXT_KINDS
 from inference.loading import read_run_config
 from inference.predictions import read_predictions
 from inference.prompts import conversation_text

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from accelerate import Accelerator
 
-from data.config import source_data_config
+from core.data_config import source_data_config
 from data.pipeline import source_records
 from data.row_meta import eval_period
 from inference import evaluate, scoring

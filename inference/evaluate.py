@@ -20,8 +20,8 @@ from pathlib import Path
 from accelerate import PartialState
 from accelerate.utils import broadcast_object_list, gather_object
 
+from core.data_config import DataConfig
 from data.collate import Collator
-from data.config import DataConfig
 from data.pipeline import cache_root
 from data.processing import SampleProcessor
 from data.sources import open_records

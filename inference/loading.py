@@ -8,7 +8,10 @@
 - `init`: the untrained model: the run's base (`model.name_or_path`, or its seeded random init), no adapter.
 - a directory: an export (config.json), a peft adapter (adapter_config.json, loaded onto the run's base with
   `peft.PeftModel.from_pretrained`), or a training checkpoint (`checkpoints/step_*/`: the model built as training
-  builds it, with the run's adapters under LoRA, and the checkpoint's tensors loaded strictly).
+  builds it, with the run's adapters under LoRA, and the checkpoint's tensors loaded strictly). A checkpoint of one
+  process or DDP holds `model.safetensors`; one of FSDP2 under recipes/accelerate/fsdp2.yaml holds the sharded state
+  dict accelerate writes through torch.distributed.checkpoint (`pytorch_model_fsdp_0/`), which DCP itself loads
+  into the model here, whatever number of processes wrote it (no process group needed).
 
 The processor is the export's when there is one, else the run's (core/config.py's `model` and `data` sections).
 The pixel and frame settings are the run's `data` section (config.yaml) unless overridden; an override that differs
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,7 +32,7 @@ from safetensors.torch import load_file
 
 from core.config import Config, load_config
 from core.config_tree import ConfigError
-from data.config import DataConfig
+from core.data_config import DataConfig
 from data.pipeline import load_processor
 from lifecycle.checkpoint import COMPLETE, latest_checkpoint
 from modeling.build import build_model
@@ -37,6 +41,7 @@ from modeling.lora import ADAPTER_DIR, apply_lora
 log = logging.getLogger(__name__)
 PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")
 CHECKPOINT_MODEL_FILE = "model.safetensors"
+CHECKPOINT_SHARDS_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT: a DCP dir of {"model": state}
 CHECKPOINT_PREFIX = "model."  # trainer/step.py's TrainModule holds the HF model as `.model`
 
 
@@ -92,18 +97,42 @@ def _from_adapter(cfg: Config, adapter_dir: Path, dtype: torch.dtype) -> torch.n
 def _from_checkpoint(cfg: Config, directory: Path, dtype: torch.dtype) -> torch.nn.Module:
     """The model a training checkpoint holds: built as train.py builds it (fp32, the run's adapters under LoRA),
     the checkpoint's tensors loaded strictly (under LoRA, the adapters and fully trained parts over the seeded base)."""
-    weights = directory / CHECKPOINT_MODEL_FILE
-    if not weights.is_file():
+    weights, shards = directory / CHECKPOINT_MODEL_FILE, directory / CHECKPOINT_SHARDS_DIR
+    if not weights.is_file() and not shards.is_dir():
         raise ConfigError(
-            f"{directory} has no {CHECKPOINT_MODEL_FILE} (a sharded FSDP checkpoint?): generate from the run's "
-            "export (--checkpoint final) instead."
+            f"{directory} holds neither {CHECKPOINT_MODEL_FILE} nor the sharded {CHECKPOINT_SHARDS_DIR}/ of an FSDP2 "
+            "run: it is not a complete training checkpoint."
         )
     model = _base_model(cfg, torch.float32)
     if cfg.lora is not None:
         apply_lora(model, cfg.lora, torch.float32)
-    state = {key.removeprefix(CHECKPOINT_PREFIX): value for key, value in load_file(weights).items()}
-    model.load_state_dict(state, strict=True)
+    if weights.is_file():
+        state = {key.removeprefix(CHECKPOINT_PREFIX): value for key, value in load_file(weights).items()}
+        model.load_state_dict(state, strict=True)
+    else:
+        _load_shards(model, shards)
     return model.to(dtype)
+
+
+def _load_shards(model: torch.nn.Module, shards: Path) -> None:
+    """Load an FSDP2 checkpoint's sharded model state (`shards`: the DCP directory accelerate's `save_state` writes,
+    {"model": the training module's state dict}) into `model`'s own tensors, in place, with DCP's loader: it
+    reassembles each tensor from the shards of however many processes saved it. Strict: the checkpoint's tensors
+    are exactly the model's state dict (under LoRA the adapters and fully trained parts, as training saves them)."""
+    import torch.distributed.checkpoint as dcp
+
+    state = {CHECKPOINT_PREFIX + key: value for key, value in model.state_dict().items()}
+    saved = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata  # flat: "model." + each key
+    saved = {key.removeprefix("model.") for key in saved}
+    missing, unexpected = sorted(set(state) - saved), sorted(saved - set(state))
+    if missing or unexpected:
+        raise ConfigError(
+            f"{shards} does not hold this run's model: {len(missing)} tensors missing (e.g. {missing[:2]}), "
+            f"{len(unexpected)} unexpected (e.g. {unexpected[:2]})."
+        )
+    with warnings.catch_warnings():  # no_dist is the point here, not a fallback to warn about
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load({"model": state}, checkpoint_id=str(shards), no_dist=True)
 
 
 def _from_export(directory: Path, dtype: torch.dtype) -> torch.nn.Module:

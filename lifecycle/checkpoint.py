@@ -33,8 +33,8 @@ import torch
 from accelerate import Accelerator
 
 from core.config import CheckpointConfig, LoraConfig
+from core.data_config import DataConfig
 from core.distributed import HostCollectives
-from data.config import DataConfig
 from data.pipeline import processor_for_export
 from lifecycle import checkpoint_manifest
 from modeling import lora

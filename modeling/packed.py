@@ -44,6 +44,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
+from data.collate import VISION_INPUTS
 from modeling import attention_engines, context_parallel, gated_delta
 
 logger = logging.getLogger(__name__)
@@ -389,16 +390,7 @@ def attention_implementation(model: torch.nn.Module, name: str) -> Iterator[None
             config._attn_implementation = old
 
 
-# second_per_grid_ts is left out: it only shapes positions, and packed positions come precomputed per sample.
-MODEL_KEYS = (
-    "input_ids",
-    "position_ids",
-    "mm_token_type_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-)
+MODEL_KEYS = ("input_ids", "position_ids", "mm_token_type_ids", *VISION_INPUTS)
 
 
 def is_packed_batch(batch: dict) -> bool:
@@ -452,7 +444,6 @@ def _context_parallel_inputs(model: torch.nn.Module, batch: dict) -> dict:
     local_tokens = batch["cp_local_index"].shape[0]
     if batch["position_ids"].shape != (4, 1, local_tokens) or batch["shift_labels"].shape != (1, local_tokens):
         raise ValueError(f"a context-parallel batch's positions and labels must cover its {local_tokens} tokens.")
-    vision = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")
-    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None and key not in vision}
+    inputs = {key: batch[key] for key in MODEL_KEYS if batch.get(key) is not None and key not in VISION_INPUTS}
     inputs[PACK_KWARG] = context_parallel.context_shard(batch, group, batch["input_ids"].device)
     return inputs

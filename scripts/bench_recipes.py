@@ -11,7 +11,7 @@ own accelerate config and pack: one GPU for qwen2_5_vl-3b, qwen3_vl-2b, qwen3_5-
 FSDP2 over two GPUs with fewer decoder layers, the largest of MOE_LAYERS whose run fits (`moe`; the first that
 finishes is kept, and the JSON says so). `--recipes` keeps some of the stage's recipes, `--variants` runs only some
 variants now (the report still covers every finished run, and lists the others as pending). Two variants of
-scripts/compare_throughput.py, alternating A B A B over `--repeats` rounds:
+verification/throughput_compare.py, alternating A B A B over `--repeats` rounds:
 `shipped` (the recipe as it ships: its `auto` settings resolved, trainer/defaults.py) and `eager-fp32` (eager blocks,
 fp32 module weights under autocast, transformers' Conv3d patch embedding, 2 loader workers, the recipe's
 checkpointing). Every run trains `--steps` steps from the same seed on the same batches (the recipe's data with
@@ -48,7 +48,7 @@ from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import recipe_model_config
 from lifecycle import run_files
-from scripts import compare_throughput as compare
+from verification import throughput_compare as compare
 from verification.provenance import provenance
 
 ONE_GPU = "accelerate launch --config_file recipes/accelerate/single_gpu.yaml"
@@ -177,7 +177,7 @@ def plan(benches: list[Bench], repeats: int, state: State, variants: tuple[str, 
 
 
 def run_unit(unit: Unit, work: Path, steps: int, warmup: int, run_timeout: int) -> compare.RunResult:
-    """Train one run through compare_throughput's runner (its variant's overrides, its own process)."""
+    """Train one run through throughput_compare's runner (its variant's overrides, its own process)."""
     args = SimpleNamespace(
         config=unit.bench.recipe, overrides=unit.overrides(), launcher=unit.bench.launcher, run_timeout=run_timeout
     )

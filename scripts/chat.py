@@ -22,8 +22,7 @@ from pathlib import Path
 from accelerate import PartialState
 
 from core.config_tree import ConfigError
-from data.formats import SampleError
-from data.video import VIDEO_EXTENSIONS
+from data.formats import VIDEO_EXTENSIONS, SampleError
 from inference import evaluate
 from inference.generation import Generator
 from inference.loading import load_run

@@ -29,10 +29,10 @@ from pathlib import Path
 from core.config import load_config
 from core.config_tree import ConfigError
 from lifecycle import run_files
-from scripts.compare_throughput import VARIANT_OVERRIDES
 from trainer.memory_check import Target, fit_report, gpu_targets, local_target
 from trainer.memory_estimate import estimate_memory
 from verification.provenance import provenance
+from verification.throughput_compare import VARIANT_OVERRIDES
 
 TOLERANCE = 0.15  # the target: an estimate within 15% of the measured peak
 

@@ -19,8 +19,8 @@ import time
 
 from core.config import load_config
 from core.config_tree import ConfigError
+from core.data_config import source_names
 from core.families import hf_config
-from data.config import source_names
 from data.formats import DataError
 from data.pipeline import build_data, load_processor
 from data.processing import IGNORE_INDEX

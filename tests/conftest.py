@@ -15,20 +15,12 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from core.config import load_config
+from data.collate import VIDEO_SECONDS, VISION_INPUTS
 from modeling.build import build_model
 from verification.packing_check import synthetic_sample
 
 # The tensors of a synthetic sample moved to the test's device (pixels also to the model's dtype).
-SAMPLE_TENSORS = (
-    "input_ids",
-    "shift_labels",
-    "mm_token_type_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-    "second_per_grid_ts",
-)
+SAMPLE_TENSORS = ("input_ids", "shift_labels", "mm_token_type_ids", *VISION_INPUTS, VIDEO_SECONDS)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -12,8 +12,8 @@ import torch
 
 from lifecycle import run_files
 from scripts import bench_lm_head, bench_recipes
-from scripts import compare_throughput as compare
 from trainer import step
+from verification import throughput_compare as compare
 
 ONE_GPU = [
     "qwen2_5_vl-3b",

@@ -1,5 +1,6 @@
-"""scripts/compare_throughput.py: the fused-vs-unfused comparison end to end on a tiny CPU run (two train.py
-processes, two offline wandb runs in one group, table, plot, JSON), and its bookkeeping on hand-made results."""
+"""verification/throughput_compare.py (`python -m scripts.compare_throughput`): the fused-vs-unfused comparison end
+to end on a tiny CPU run (two train.py processes, two offline wandb runs in one group, table, plot, JSON), and its
+bookkeeping on hand-made results."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 from wandb.proto import wandb_internal_pb2
 
 from core.config_tree import ConfigError
-from scripts import compare_throughput as compare
+from verification import throughput_compare as compare
 
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
 # Small enough for two CPU runs in about a minute: short packs, few samples, two timed steps.
@@ -494,3 +495,20 @@ def test_last_logged_step_reads_the_run_in_progress(tmp_path):
     assert compare.last_logged_step(path) is None
     path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "eval_loss": 1.0}\n{"step": 3, "lo')
     assert compare.last_logged_step(path) == 2
+
+
+def test_the_command_line_exits_with_one_line(monkeypatch):
+    """scripts/compare_throughput.py exits 0 when every run finished, else with one line: the error (a recipe or a
+    run that cannot start) or how many runs failed."""
+    outcomes = iter([{"failed": []}, {"failed": [{"variant": "fused"}, {"variant": "unfused"}]}])
+
+    def fake_main(argv):
+        outcome = next(outcomes, None)
+        if outcome is None:
+            raise ConfigError("unknown key 'train.lrr'")
+        return outcome
+
+    monkeypatch.setattr(compare, "main", fake_main)
+    assert compare.command_line([]) == 0
+    assert compare.command_line([]) == "[compare] 2 run(s) failed; comparison.json lists them under 'failed'"
+    assert compare.command_line([]) == "[compare] error: unknown key 'train.lrr'"

@@ -11,8 +11,8 @@ import torch
 
 from core.config import load_config
 from core.config_tree import ConfigError
+from core.data_config import SourceConfig, source_names
 from core.families import hf_config
-from data.config import SourceConfig, source_names
 from data.pipeline import build_data, load_processor
 from data.row_meta import MixtureOrder, RowMeta, quotas
 from data.synthetic import write_builtin_dataset

@@ -18,13 +18,13 @@ from datasets import Dataset, Image, List
 from torch.utils.data import get_worker_info
 
 from core.config import load_config
+from core.data_config import PackingConfig
 from core.families import MODEL_TYPES, hf_config
 from core.special_tokens import EOS_ID
-from data.config import PackingConfig
 from data.formats import DataError
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
-from data.processing import IGNORE_INDEX
+from data.processing import IGNORE_INDEX, PROCESSED_FEATURES, empty_row
 from data.synthetic import write_builtin_dataset
 from modeling import vision_plan
 from modeling.build import build_model
@@ -384,6 +384,18 @@ def test_processed_cache_follows_its_inputs(tmp_path, cache, monkeypatch):
     os.utime(data_file, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert build_counting()[1] > 0
     assert build_counting("data.max_pixels=20000")[1] > 0
+
+
+def test_the_empty_row_is_a_processed_row_of_every_column():
+    """empty_row, from which skipped rows and load-time stand-ins are made, has every PROCESSED_FEATURES column and
+    nothing else, encodes under those features, sets what it is given and refuses a column the schema lacks."""
+    row = empty_row(sample_id="s", skip_reason="too_long", length=3)
+    assert set(row) == set(PROCESSED_FEATURES)
+    assert Dataset.from_list([row], features=PROCESSED_FEATURES)[0] == row
+    assert row["sample_id"] == "s" and row["skip_reason"] == "too_long" and row["length"] == 3
+    assert row["skip_detail"] == "" and row["images"] == [] and row["num_patches"] == 0
+    with pytest.raises(KeyError, match="image_count"):
+        empty_row(image_count=1)
 
 
 def test_an_image_gone_at_load_time_is_a_counted_stand_in(tmp_path, cache):

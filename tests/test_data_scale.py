@@ -21,8 +21,8 @@ from filelock import FileLock
 
 from core.config import load_config
 from core.config_tree import ConfigError
+from core.data_config import DataConfig, PackingConfig
 from core.families import hf_config
-from data.config import DataConfig, PackingConfig
 from data.pipeline import (
     RECORDS_PER_PROCESS,
     DataStats,

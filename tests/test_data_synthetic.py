@@ -8,10 +8,11 @@ from transformers import AutoProcessor, Qwen2_5_VLProcessor
 
 from core.config import load_config
 from core.config_tree import ConfigError
+from core.data_config import KINDS, TEXT_KINDS
 from core.families import hf_config
 from core.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data.pipeline import load_processor
-from data.synthetic import KINDS, NUMBER_WORDS, TEXT_KINDS, generate_samples, write_builtin_dataset
+from data.synthetic import NUMBER_WORDS, generate_samples, write_builtin_dataset
 from data.tiny_processor import load_or_build_tiny_processor
 
 

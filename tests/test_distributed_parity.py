@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from data.config import PackingConfig
+from core.data_config import PackingConfig
 from data.packing import PackItem
 from data.pipeline import StepLoader
 from verification import parity

@@ -8,7 +8,7 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 from core.families import MODEL_TYPES
-from data.collate import label_rows
+from data.collate import VISION_INPUTS, label_rows
 from modeling.loss_kernel import cross_entropy_grad_
 from modeling.packed import enable_packed_forward
 from tests.tiers import tiered
@@ -295,7 +295,7 @@ def padded_batch(samples) -> dict:
         batch["mm_token_type_ids"][row, : len(sample)] = sample.mm_token_type_ids
         batch["attention_mask"][row, : len(sample)] = 1
         batch["shift_labels"][row, : len(sample)] = sample.shift_labels
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+    for key in VISION_INPUTS:
         batch[key] = torch.cat([getattr(s, key) for s in samples if getattr(s, key) is not None])
     batch["label_rows"] = label_rows(batch["shift_labels"])
     return batch

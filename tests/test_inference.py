@@ -16,20 +16,31 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed.checkpoint as dcp
 from accelerate.state import AcceleratorState
 from PIL import Image
+from safetensors.torch import load_file
 from transformers import AutoModelForImageTextToText, AutoProcessor
 
 import train
 from core.config import load_config
+from core.config_tree import ConfigError
 from core.families import hf_config
 from data.formats import DataError
 from data.pipeline import load_processor
 from data.processing import SampleProcessor
 from inference import builtin_eval, evaluate, predictions, scoring
 from inference.generation import GenerationSettings, Generator
-from inference.loading import data_settings, read_run_config
+from inference.loading import (
+    CHECKPOINT_MODEL_FILE,
+    CHECKPOINT_SHARDS_DIR,
+    data_settings,
+    load_run,
+    read_run_config,
+)
 from inference.prompts import EvalDataError, PromptBuilder
+from lifecycle.checkpoint import latest_checkpoint
 from modeling.build import build_model
 from scripts import chat, generate
 from tests.tiers import tiered
@@ -290,6 +301,38 @@ def test_lora_merged_export_adapter_and_checkpoint_agree(lora_run, tmp_path):
         assert [line.get("prediction") for line in lines] == answers
 
 
+def as_sharded_checkpoint(checkpoint: Path, into: Path, drop: str | None = None) -> Path:
+    """A copy of a one-process checkpoint in the layout an FSDP2 run saves (recipes/accelerate/fsdp2.yaml): the
+    model state written by torch.distributed.checkpoint under pytorch_model_fsdp_0/ as {"model": state}, no
+    model.safetensors; `drop` leaves that tensor out."""
+    shutil.copytree(checkpoint, into, ignore=shutil.ignore_patterns(CHECKPOINT_MODEL_FILE))
+    state = {key: value for key, value in load_file(checkpoint / CHECKPOINT_MODEL_FILE).items() if key != drop}
+    dcp.save({"model": state}, checkpoint_id=str(into / CHECKPOINT_SHARDS_DIR), no_dist=True)
+    return into
+
+
+@pytest.mark.parametrize("kind", ["full", "lora"])
+def test_a_sharded_fsdp2_checkpoint_answers_as_the_export(full_run, lora_run, tmp_path, kind):
+    """A checkpoint in the layout FSDP2 saves (the model state as DCP shards, no model.safetensors) is read through
+    DCP and answers exactly as the run's export, for a full fine-tune and under LoRA (only the adapters and the fully
+    trained parts in the shards); shards that lack one of the model's tensors are refused in one line naming it.
+    tests/test_fsdp2_requeue.py reads the checkpoints two- and one-process FSDP2 runs really write."""
+    run = full_run if kind == "full" else lora_run
+    latest = latest_checkpoint(run)
+    sharded = as_sharded_checkpoint(latest, tmp_path / "sharded")
+    final = generate_lines(run, tmp_path / "final.jsonl")
+    answers = generate_lines(run, tmp_path / "sharded.jsonl", "--checkpoint", str(sharded))
+    assert [line.get("prediction") for line in answers] == [line.get("prediction") for line in final]
+    saved = load_file(latest / CHECKPOINT_MODEL_FILE)
+    loaded = load_run(run, str(sharded)).model.state_dict()
+    assert all(torch.equal(loaded[key.removeprefix("model.")], value) for key, value in saved.items())
+    dropped = next(iter(saved))
+    torn = as_sharded_checkpoint(latest, tmp_path / "torn", drop=dropped)
+    with pytest.raises(ConfigError, match=r"does not hold this run's model: 1 tensors missing") as refused:
+        load_run(run, str(torn))
+    assert dropped in str(refused.value) and "\n" not in str(refused.value)
+
+
 def test_resume_continues_a_partial_file_without_duplicates(full_run, tmp_path):
     """A predictions file cut by a kill (two whole lines and half a third) continued with --resume ends equal to the
     uninterrupted file: every record once, in order. Without --resume or --overwrite an existing file is refused."""
@@ -458,6 +501,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from core.config import load_config
+from core.config_tree import ConfigError
 from data.pipeline import build_data, load_processor
 from core.families import hf_config
 from inference import evaluate

@@ -2,7 +2,7 @@
 model room (modeling) on those, the run's lifecycle on the model room, inference (generation and scores) and the
 trainer on both, verification on the trainer, scripts and train.py on top. train.py hands the training loop its
 generation evaluation, so the trainer never imports inference. Every import counts, module-level or inside a
-function."""
+function; no package has an exception, and no module imports itself back through others (no loop)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,6 @@ ALLOWED = {
     "inference": {"core", "data", "mrope_kernels", "modeling", "lifecycle", "inference"},
     "verification": {"core", "data", "mrope_kernels", "modeling", "lifecycle", "trainer", "verification"},
 }
-# The one upward reach, by module: the recipe schema (core/config.py) composes the data and packing sections that
-# data/config.py declares beside the code that reads them; data/config.py itself imports only core.config_tree and
-# data.synthetic (the built-in kinds it validates), which imports nothing first-party.
-ALLOWED_MODULES = {"core/config.py": {"data.config"}}
 MAX_MODULES = 16  # a package folder a reader can take in at once
 
 
@@ -66,18 +62,75 @@ def test_package_imports_only_lower_layers(package):
         relative = path.relative_to(ROOT).as_posix()
         for name in imported_modules(path):
             top = name.split(".")[0]
-            if top in FIRST_PARTY and top not in ALLOWED[package] and name not in ALLOWED_MODULES.get(relative, ()):
+            if top in FIRST_PARTY and top not in ALLOWED[package]:
                 wrong.add(f"{relative} imports {name}")
     assert not wrong, sorted(wrong)
 
 
-def test_data_config_stays_below_the_recipe_schema():
-    """data/config.py, which core/config.py imports, imports nothing first-party but core.config_tree and
-    data.synthetic, which itself imports nothing first-party, so the one upward reach of core cannot close a cycle."""
-    names = {n for n in imported_modules(ROOT / "data" / "config.py") if n.split(".")[0] in FIRST_PARTY}
-    assert names <= {"core.config_tree", "data.synthetic"}, sorted(names)
-    synthetic = {n for n in imported_modules(ROOT / "data" / "synthetic.py") if n.split(".")[0] in FIRST_PARTY}
-    assert not synthetic, sorted(synthetic)
+def first_party_modules() -> dict[str, Path]:
+    """Every first-party module by dotted name (packages' __init__ under the package's own name), train.py included."""
+    modules = {"train": ROOT / "train.py"}
+    for package in FIRST_PARTY - {"train"}:
+        for path in (ROOT / package).glob("*.py"):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    return modules
+
+
+def module_imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """The first-party modules `path` imports, at any depth of its code: `from a.b import c` imports the module a.b.c
+    where there is one (a package's module), else a.b (a name defined in a.b)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:
+                name = f"{node.module}.{alias.name}"
+                names.add(name if name in modules else node.module)
+    return {name for name in names if name in modules}
+
+
+def import_loops(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm): each is an import loop."""
+    index, low, stack, on_stack, loops = {}, {}, [], set(), []
+
+    def visit(module: str) -> None:
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for imported in sorted(graph[module]):
+            if imported not in index:
+                visit(imported)
+                low[module] = min(low[module], low[imported])
+            elif imported in on_stack:
+                low[module] = min(low[module], index[imported])
+        if low[module] == index[module]:
+            component = []
+            while not component or component[-1] != module:
+                component.append(stack.pop())
+                on_stack.discard(component[-1])
+            if len(component) > 1:
+                loops.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return loops
+
+
+def test_import_loops_are_found():
+    """The loop finder reports a loop of two and one of three, and nothing for a chain (so the next test can fail)."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"e"}, "e": {"c", "f"}, "f": set()}
+    assert sorted(import_loops(graph)) == [["a", "b"], ["c", "d", "e"]]
+    assert import_loops({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_no_module_imports_itself_back():
+    """No first-party module reaches itself through its imports (module-level or inside a function): each
+    module's dependencies can be read, and imported, without it."""
+    modules = first_party_modules()
+    graph = {name: module_imports(path, modules) - {name} for name, path in modules.items()}
+    assert not import_loops(graph)
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

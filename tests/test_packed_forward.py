@@ -11,6 +11,7 @@ import torch
 from transformers import AttentionInterface
 
 from core.families import MODEL_TYPES
+from data.collate import VIDEO_SECONDS, VISION_INPUTS
 from modeling import gated_delta, parts
 from modeling.packed import (
     PACKED_ATTENTION,
@@ -53,15 +54,7 @@ VIDEO_PACK = (
 )
 
 
-VISUAL_FIELDS = (
-    "input_ids",
-    "shift_labels",
-    "mm_token_type_ids",
-    "pixel_values",
-    "image_grid_thw",
-    "pixel_values_videos",
-    "video_grid_thw",
-)
+VISUAL_FIELDS = ("input_ids", "shift_labels", "mm_token_type_ids", *VISION_INPUTS)
 
 MODERATE_SHAPES = {  # wider heads than the tiny recipes (head_dim 128 / 256 as in the real models), for the GPU
     "qwen2_5_vl": [
@@ -508,7 +501,7 @@ def test_samples_from_batch_inverts_pack_samples(tiny_samples, tiny_model):
     for original, split in zip(
         samples, samples_from_batch(pack_samples(model, samples), merge_size(model)), strict=True
     ):
-        for name in (*VISUAL_FIELDS, "second_per_grid_ts"):
+        for name in (*VISUAL_FIELDS, VIDEO_SECONDS):
             expected, got = getattr(original, name), getattr(split, name)
             assert (expected is None and got is None) or torch.equal(expected, got), name
 

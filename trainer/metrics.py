@@ -28,8 +28,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from core.config import Config
+from core.data_config import source_names
 from core.families import FAMILIES
-from data.config import source_names
 from lifecycle import run_files
 from modeling import parts
 

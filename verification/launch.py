@@ -1,7 +1,7 @@
 """Launching train.py runs: one run in its own process, its output in a log file, killed (with every process under
 it) on timeout, and the end of the log for the error message.
 
-Used by scripts/compare_throughput.py, scripts/distributed_parity.py and the multi-process tests; `free_port` gives
+Used by verification/throughput_compare.py, verification/parity.py and the multi-process tests; `free_port` gives
 a launcher's rendezvous port; `run_logged_together` runs the per-machine launchers of a multi-node job on one host.
 """
 

@@ -1,4 +1,5 @@
-"""Recipe sections read by the data pipeline: `data` (what to load and how to process it) and `packing`."""
+"""The recipe sections the data pipeline reads: `data` (what to load and how to process it) and `packing`, with the
+built-in dataset's question kinds that `data.builtin_kinds` names."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from pathlib import Path
 from typing import Literal
 
 from core.config_tree import ConfigError, check_seed
-from data.synthetic import KINDS
+
+# The built-in dataset's question kinds (data/synthetic.py generates them; data.builtin_kinds selects among them).
+IMAGE_KINDS = ("count", "color", "position", "text", "caption", "multi_count", "multi_color", "multi_turn")
+VIDEO_KINDS = ("direction", "direction_and_image")
+TEXT_KINDS = ("arithmetic", "spelling")  # text-only questions: the answer is in the question
+# Image kinds outside the default mix (data.builtin_kinds selects them): "background" asks for the colour most of the
+# image shows, the first thing a vision path learns; the CPU smoke run proves with it that the model looks.
+EXTRA_IMAGE_KINDS = ("background",)
+KINDS = (*IMAGE_KINDS, *EXTRA_IMAGE_KINDS, *VIDEO_KINDS, *TEXT_KINDS)  # every record's `category`
 
 
 @dataclass
@@ -55,7 +64,7 @@ class DataConfig:
     format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
     video_share: float = 0.2  # share of video samples in the built-in dataset (ignored for other paths)
-    # the built-in dataset's question kinds (data/synthetic.py's KINDS), each sample's drawn uniformly from them;
+    # the built-in dataset's question kinds (KINDS), each sample's drawn uniformly from them;
     # null: every kind in the default mix (ignored for other paths)
     builtin_kinds: list[str] | None = None
     eval_fraction: float = 0.02  # held-out share for periodic eval
