@@ -109,7 +109,7 @@ def cpu_accelerator():
 def test_fa4_equals_fa2_on_a_pack_gpu(heads, kv_heads, head_dim, causal):
     """fa4's output and gradients are as close to an fp32 per-document reference as fa2's are (within 2×), on a pack
     of odd document lengths."""
-    from verification.attention_bench import reference, relative_error
+    from verification.lever_bench import reference, relative_error
 
     lengths = (37, 300, 1, 129, 514)
     total = sum(lengths)
@@ -127,3 +127,28 @@ def test_fa4_equals_fa2_on_a_pack_gpu(heads, kv_heads, head_dim, causal):
         errors[engine] = [relative_error(x, r) for x, r in zip([out, *(t.grad for t in leaves)], ref)]
     for fa4, fa2 in zip(errors["fa4"], errors["fa2"]):
         assert fa4 <= 2 * fa2 + 1e-4, errors
+
+
+def test_bench_packs_fill_the_pack_with_documents_in_range():
+    """The attention bench's packs hold exactly the pack's tokens, every document but the cut last one in range,
+    and each ViT case has the text's images as patches."""
+    from verification.lever_bench import recipe_cases, sample_lengths
+
+    lengths = sample_lengths(16384, 370, 1140, seed=3)
+    assert sum(lengths) == 16384 and all(370 <= n <= 1140 for n in lengths[:-1])
+    cases = {case.name: case for case in recipe_cases(4096, seed=1)}
+    text = cases["qwen3_vl-2b text 16/8×128"].lengths
+    assert sum(text) == 4096
+    assert cases["qwen3_vl-2b ViT 16×64"].lengths == tuple(4 * max(n - 112, 16) for n in text)
+    assert set(cases["qwen2_5_vl ViT windows 16×80"].lengths) == {64}
+
+
+def test_bench_commands_refuse_a_host_without_cuda():
+    """Without a GPU both bench commands stop with one line saying why (their kernels are GPU kernels)."""
+    from verification.lever_bench import attention_main, fp8_main
+
+    if torch.cuda.is_available():
+        pytest.skip("this host has a GPU")
+    for main in (attention_main, fp8_main):
+        with pytest.raises(SystemExit, match="needs a CUDA GPU"):
+            main([])
