@@ -60,31 +60,30 @@ def pad_rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
 
 
 @functools.cache
-def row_padded_float8_linear() -> type:
-    """torchao's Float8Linear with its input rows padded (module docstring); one class, made on first use."""
-    from torchao.float8.float8_linear import Float8Linear
+def row_padded(linear_class: type[nn.Linear]) -> type[nn.Linear]:
+    """A subclass of `linear_class` whose forward pads its input rows to a multiple of FLOAT8_ROWS and drops the
+    extra output rows (module docstring); one class per base, made on first use."""
 
-    class RowPaddedFloat8Linear(Float8Linear):
-        """torchao's Float8Linear on inputs of any token count (module docstring)."""
-
+    class RowPadded(linear_class):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             padded, rows = pad_rows(x)
             return super().forward(padded)[:rows].reshape(*x.shape[:-1], -1)
 
-    return RowPaddedFloat8Linear
+    RowPadded.__name__ = RowPadded.__qualname__ = f"RowPadded{linear_class.__name__}"
+    return RowPadded
 
 
 def convert_decoder_linears(model: nn.Module, recipe: Recipe = "tensorwise") -> int:
     """Swap the decoder layers' eligible `nn.Linear`s for row-padded torchao `Float8Linear`s in place (names and
     parameters unchanged, so checkpoints and the optimizer see the same model); returns how many."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    from torchao.float8.float8_linear import Float8Linear
 
     config = Float8LinearConfig.from_recipe_name(recipe)
-    row_padded = row_padded_float8_linear()
     layers = parts.inner_model(model).language_model.layers
     for layer in layers:
         convert_to_float8_training(layer, module_filter_fn=_float8_ready, config=config)
-    converted = [m for m in layers.modules() if type(m) is row_padded.__base__]
+    converted = [m for m in layers.modules() if type(m) is Float8Linear]
     for module in converted:
-        module.__class__ = row_padded
+        module.__class__ = row_padded(Float8Linear)
     return len(converted)
