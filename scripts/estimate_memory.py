@@ -13,7 +13,8 @@ CPU-only run.
 `--compare` reads result files with measured peaks (`peak_mem_gib`, torch.cuda.max_memory_allocated): a
 recipes-<date>.json of scripts/bench_recipes.py (`recipes[name][variant]`, launched as its `launch` says) or a
 compare_throughput JSON (`variants[name]`, one process unless it records a `launcher`). For every measured variant
-it estimates the same recipe, overrides and launch, and prints measured / estimated (target: within TOLERANCE);
+it estimates the same recipe, overrides and launch (`auto` checkpointing resolved for the file's GPU, an 80 GB H100
+unless its provenance names an H200), and prints measured / estimated (target: within TOLERANCE);
 `--out` writes the comparison as a new JSON (result files are records of what ran: they are never edited), with
 the provenance of the code that estimated.
 """
@@ -30,7 +31,8 @@ from core.config import load_config
 from core.config_tree import ConfigError
 from lifecycle import run_files
 from scripts.compare_throughput import VARIANT_OVERRIDES
-from trainer.memory_check import Target, fit_report, gpu_targets, local_target
+from trainer import activation_checkpointing
+from trainer.memory_check import REFERENCE_GPUS, Target, fit_report, gpu_targets, local_target
 from trainer.memory_estimate import estimate_memory
 from verification.provenance import provenance
 
@@ -79,6 +81,12 @@ def launch_processes(launch: str) -> tuple[int, str]:
     return processes, sharding
 
 
+def result_gpu(result: dict) -> Target:
+    """The reference GPU a result file ran on: a 141 GB H200 when its provenance names an H200, else an 80 GB H100."""
+    name = (result.get("provenance") or {}).get("gpu", {}).get("name", "")
+    return REFERENCE_GPUS[1] if "H200" in name else REFERENCE_GPUS[0]
+
+
 def measured_runs(result: dict) -> list[tuple[str, str, dict, list[str], str]]:
     """(row name, recipe, the variant's numbers, overrides, launch) of every measured variant in a result file."""
     runs = []
@@ -114,7 +122,10 @@ def compare(paths: list[str], out: str | None) -> int:
         for name, recipe, numbers, overrides, launch in measured_runs(result):
             processes, sharding = launch_processes(launch)
             try:
-                estimate = estimate_memory(load_config(recipe, overrides), processes, sharding, True)
+                cfg = load_config(recipe, overrides)
+                gpu = result_gpu(result)
+                cfg, _ = activation_checkpointing.resolve(cfg, processes, sharding, True, gpu.capacity_gib, gpu.name)
+                estimate = estimate_memory(cfg, processes, sharding, True)
             except ConfigError as error:
                 print(f"  {name:<46} not estimable: {error}")
                 continue

@@ -20,6 +20,7 @@ from core.config import load_config
 from modeling.build import build_model
 from modeling.master_weights import cast_param_ids
 from scripts import estimate_memory as cli
+from trainer import activation_checkpointing
 from trainer.memory_check import MemoryFitError, Target, check
 from trainer.memory_estimate import GIB, block_activation_bytes, estimate_memory, meta_model
 
@@ -132,9 +133,11 @@ def test_the_estimate_grows_with_the_pack_and_shrinks_with_sharding_and_checkpoi
     """At the 3B's published size: a larger pack needs more, each checkpointed part less; FSDP2 over more GPUs
     needs less per GPU, and DDP (replicated) no less than one process."""
     recipe = "recipes/qwen2_5_vl-3b.yaml"
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
 
     def peak(*overrides, processes=1, sharding=None):
-        return estimate_memory(load_config(recipe, list(overrides)), processes, sharding, model=model_3b).peak_gib
+        cfg = load_config(recipe, [*checkpointed, *overrides])
+        return estimate_memory(cfg, processes, sharding, model=model_3b).peak_gib
 
     packs = [peak(f"packing.max_tokens={tokens}") for tokens in (4096, 8192, 16384, 32768)]
     assert packs == sorted(packs) and len(set(packs)) == 4
@@ -151,8 +154,9 @@ def test_the_estimate_grows_with_the_pack_and_shrinks_with_sharding_and_checkpoi
 def test_lora_needs_a_fraction_of_the_full_fine_tune():
     """A LoRA run of the 7B (frozen bf16 base, adapters with AdamW) needs less than a third of its full fine-tune on
     one GPU; its trained parameters are under 1% of the model."""
-    full = estimate_memory(load_config("recipes/qwen2_5_vl-7b.yaml"), 1)
-    lora = estimate_memory(load_config("recipes/lora-qwen2_5_vl-7b.yaml"), 1)
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
+    full = estimate_memory(load_config("recipes/qwen2_5_vl-7b.yaml", checkpointed), 1)
+    lora = estimate_memory(load_config("recipes/lora-qwen2_5_vl-7b.yaml", checkpointed[:1]), 1)
     assert lora.total_gib < full.total_gib / 3
     assert lora.trainable_params < 0.01 * lora.total_params
     assert lora.parts["optimizer"] < 1.0 and lora.parts["activations_vision"] == 0  # the frozen ViT keeps nothing
@@ -162,12 +166,15 @@ RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*.ya
 
 
 def test_every_recipe_is_estimable_on_the_meta_device():
-    """Every shipped recipe's estimate builds from its model on the meta device, one GPU and FSDP2 over 8, with
-    non-negative parts; the tiny recipes and the smoke run need under 2 GiB, on a GPU or a CPU."""
+    """Every shipped recipe's estimate builds from its model on the meta device, one GPU and FSDP2 over 8 (`auto`
+    checkpointing resolved for an 80 GB H100), with non-negative parts; the tiny recipes and the smoke run need under
+    2 GiB, on a GPU or a CPU."""
     for recipe in RECIPES:
         cfg = load_config(recipe)
         model = meta_model(cfg.model)
         for processes in (1, 8):
+            sharding = "none" if processes == 1 else "fsdp2"
+            cfg, _ = activation_checkpointing.resolve(cfg, processes, sharding, True, 79.2, "an H100", model)
             estimate = estimate_memory(cfg, processes, model=model)
             assert all(gib >= 0 for gib in estimate.parts.values()) and estimate.total_gib > 0, recipe
         if "tiny" in recipe or "smoke" in recipe:
@@ -187,13 +194,14 @@ def test_a_run_that_cannot_fit_is_refused_with_the_overrides_that_fit(caplog):
     that each fit (LoRA, FSDP2 over more GPUs); `warn` logs that line and returns; `false` skips the check; the
     same recipe under FSDP2 over 8 fits."""
     h100 = Target(79.2, "each test GPU", True)
-    cfg = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.master_weights=auto", "train.compile=true"])
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
+    cfg = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.master_weights=auto", "train.compile=true", *checkpointed])
     with pytest.raises(MemoryFitError) as refused:
         check(cfg, fake_accelerator(), h100)
     line = str(refused.value)
     assert "\n" not in line and "79.2 GiB of each test GPU" in line
     assert "lora.rank=16" in line and "--num_processes 4" in line and "train.memory_check=warn" in line
-    warn = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.memory_check=warn"])
+    warn = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.memory_check=warn", *checkpointed])
     with caplog.at_level(logging.WARNING, logger="trainer.memory_check"):
         assert check(warn, fake_accelerator(), h100).total_gib > h100.capacity_gib
     assert "train.memory_check=warn" in caplog.text

@@ -347,7 +347,7 @@ def block_activation_bytes(
     return total
 
 
-def _blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+def stack_blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """(decoder layers, ViT blocks)."""
     inner = parts.inner_model(model)
     return list(inner.language_model.layers), list(inner.visual.blocks)
@@ -364,7 +364,7 @@ def vision_patches_per_pack(cfg: Config, tokens: int, vision_config) -> int:
     return int(tokens * share * merge**2)
 
 
-def _tokens_per_pack(cfg: Config) -> int:
+def tokens_per_pack(cfg: Config) -> int:
     if cfg.packing.mode == "padded":
         return cfg.packing.padded_batch_size * cfg.packing.max_tokens
     return -(-cfg.packing.max_tokens // cfg.parallel.context)
@@ -372,25 +372,27 @@ def _tokens_per_pack(cfg: Config) -> int:
 
 @dataclass(frozen=True)
 class _Activations:
-    """Bytes of one stack of blocks: what stays from the forward to the backward (`kept`), and what the backward of
-    a checkpointed block adds while it runs (`working`)."""
+    """Bytes of one stack of blocks: what stays from the forward to the backward (`kept`), and what is alive while
+    its checkpointed blocks recompute in the backward (`recompute`: their inputs and CHECKPOINT_WORKING_BLOCKS
+    blocks' worth; the blocks after them, whose backward runs first, have freed theirs)."""
 
     kept: float = 0.0
-    working: float = 0.0
+    recompute: float = 0.0
 
 
 def _stack_activations(
-    blocks: list[nn.Module], width: int, count: int, checkpointed: bool, residual_bytes: int, **kwargs
+    blocks: list[nn.Module], width: int, count: int, checkpointed: int, residual_bytes: int, **kwargs
 ) -> _Activations:
-    """A stack of blocks over `count` tokens: every block's activations, or with checkpointing every block's input
-    (`residual_bytes` x width per token) kept and CHECKPOINT_WORKING_BLOCKS blocks' worth while one recomputes."""
+    """A stack of blocks over `count` tokens whose first `checkpointed` blocks recompute: those keep their input
+    (`residual_bytes` x width per token), the others every activation."""
     if not blocks or count == 0:
         return _Activations()
     per_block = [block_activation_bytes(b, width, **kwargs) for b in blocks]
-    if checkpointed:
-        inputs = count * residual_bytes * width * len(blocks)
-        return _Activations(inputs, count * CHECKPOINT_WORKING_BLOCKS * max(per_block))
-    return _Activations(count * float(sum(per_block)))
+    inputs = count * residual_bytes * width * checkpointed
+    kept = inputs + count * float(sum(per_block[checkpointed:]))
+    if not checkpointed:
+        return _Activations(kept)
+    return _Activations(kept, inputs + count * CHECKPOINT_WORKING_BLOCKS * max(per_block[:checkpointed]))
 
 
 def _activations(
@@ -401,10 +403,12 @@ def _activations(
     compiled: bool,
     adapted: frozenset[int],
     expert_bytes: int,
+    checkpointed: tuple[int, int],
 ) -> tuple[_Activations, _Activations]:
     """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches,
-    unscaled; `adapted`: ids of the linear layers with a LoRA adapter."""
-    layers, blocks = _blocks(model)
+    unscaled; `adapted`: ids of the linear layers with a LoRA adapter; `checkpointed`: the (decoder layers, ViT
+    blocks) that recompute, the first ones of each stack."""
+    layers, blocks = stack_blocks(model)
     text, vision = model.config.text_config, model.config.vision_config
     vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
     trains = _parts_training(cfg)
@@ -413,7 +417,7 @@ def _activations(
         layers,
         text.hidden_size,
         tokens,
-        cfg.model.gradient_checkpointing_llm,
+        checkpointed[0],
         residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
         expert_bytes=expert_bytes,  # fp32 expert stacks (module mode, full fine-tune) multiply in fp32
@@ -430,7 +434,7 @@ def _activations(
             blocks,
             vit_width,
             patches,
-            cfg.model.gradient_checkpointing_vision,
+            checkpointed[1],
             residual_bytes=4 if fp32_positions else _dtype_bytes(cfg.model.dtype),
             compiled=compiled,
             trained=trains["vision"],
@@ -443,7 +447,7 @@ def _activations(
             block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
             for u in units
         )
-        vit = _Activations(vit.kept + merger_bytes, vit.working)
+        vit = _Activations(vit.kept + merger_bytes, vit.recompute)  # the merger's backward runs before the ViT's
     return llm, vit
 
 
@@ -458,7 +462,7 @@ def _loss_bytes(model: nn.Module, tokens: int, on_cuda: bool, lm_head_trainable:
 
 def _fsdp_buffers(model: nn.Module, params_by_id: dict[int, _Param]) -> float:
     """Bytes FSDP2 holds beyond the shards (module docstring)."""
-    layers, blocks = _blocks(model)
+    layers, blocks = stack_blocks(model)
     unit_ids = {id(p) for unit in layers + blocks for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in unit_ids)
     largest = max((sum(p.numel() for p in unit.parameters()) for unit in layers + blocks), default=0)
@@ -497,11 +501,14 @@ def estimate_memory(
     params = base + _adapters(targets, cfg.lora.rank if cfg.lora else 0)
     states = _state_bytes(params, mode, dtype_bytes, shards)
 
-    tokens = _tokens_per_pack(cfg)
+    tokens = tokens_per_pack(cfg)
     vision = model.config.vision_config
     patches = vision_patches if vision_patches is not None else vision_patches_per_pack(cfg, tokens, vision)
     expert_bytes = 4 if mode == "module" and cfg.lora is None else dtype_bytes
-    llm, vit = _activations(model, cfg, tokens, patches, compiled, frozenset(id(m) for m in targets), expert_bytes)
+    layers, blocks = stack_blocks(model)
+    checkpointed = checkpointed_blocks(cfg, model)
+    adapted = frozenset(id(m) for m in targets)
+    llm, vit = _activations(model, cfg, tokens, patches, compiled, adapted, expert_bytes, checkpointed)
     scale = ACTIVATION_SCALE["compiled" if compiled else "eager"]
     params_by_id = {id(p): q for p, q in zip(model.parameters(), base, strict=True)}
     lm_head = params_by_id[id(model.lm_head.weight)]
@@ -518,18 +525,16 @@ def estimate_memory(
     # module mode's autocast copies: all of them at the end of the forward (autocast's cache); in the backward only
     # those the matmuls of blocks that are not checkpointed keep (and the merger's, which is never checkpointed)
     copies = {part: states.pop(f"copies_{part}") for part in ("llm", "vision", "merger")}
-    held = {
-        "llm": 0.0 if cfg.model.gradient_checkpointing_llm else copies["llm"],
-        "vision": 0.0 if cfg.model.gradient_checkpointing_vision else copies["vision"],
-        "merger": copies["merger"],
-    }
+    vision_held = copies["vision"] * (1 - checkpointed[1] / len(blocks)) if blocks else 0.0
     # the peak, the largest of: the end of the forward (every activation kept, every copy, the loss's stored
-    # gradients), the start of the backward (the top block recomputed), the end of the LLM's backward (its gradients,
-    # the ViT's activations) and the end of the backward (every gradient)
+    # gradients), the LLM's checkpointed layers recomputing (the layers after them done: their activations and
+    # copies freed, their gradients written), the ViT's backward (the LLM's gradients, the ViT's activations or its
+    # checkpointed blocks recomputing) and the end of the backward (every gradient)
+    upper_llm_grads = llm_grads * (1 - checkpointed[0] / len(layers))
     phases = [  # (copies, gradients, LLM activations, ViT activations, loss)
         (sum(copies.values()), accumulated, llm.kept, vit.kept, loss),
-        (sum(held.values()), accumulated, llm.kept + llm.working, vit.kept, loss),
-        (held["vision"] + held["merger"], max(accumulated, llm_grads), 0.0, vit.kept + vit.working, 0.0),
+        (vision_held + copies["merger"], max(accumulated, upper_llm_grads), llm.recompute, vit.kept, loss),
+        (vision_held + copies["merger"], max(accumulated, llm_grads), 0.0, max(vit.kept, vit.recompute), 0.0),
         (0.0, states["gradients"], 0.0, 0.0, 0.0),
     ]
     held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(
@@ -561,6 +566,18 @@ def estimate_memory(
         trainable_params=sum(p.numel for p in params if p.trainable),
         on_cuda=on_cuda,
     )
+
+
+def checkpointed_blocks(cfg: Config, model: nn.Module) -> tuple[int, int]:
+    """The (decoder layers, ViT blocks) that `cfg`'s concrete checkpointing settings recompute (the first ones of
+    each stack); a ConfigError for a count above the model's depth or an `auto` not yet resolved
+    (trainer/activation_checkpointing.py resolves it)."""
+    layers, blocks = stack_blocks(model)
+    llm = parts.checkpointed_count(
+        cfg.model.gradient_checkpointing_llm, len(layers), "model.gradient_checkpointing_llm"
+    )
+    key = "model.gradient_checkpointing_vision"
+    return llm, parts.checkpointed_count(cfg.model.gradient_checkpointing_vision, len(blocks), key)
 
 
 def _units(module: nn.Module) -> list[nn.Module]:
