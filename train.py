@@ -84,10 +84,8 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
         level = logging.INFO if accelerator.is_main_process else logging.WARNING
         logging.basicConfig(level=level, format="%(message)s")
-        # before config.yaml is written (the run directory records what ran) and before anything is built: `auto`
-        # checkpointing is sized by the memory estimate, and a run that cannot fit even so stops in one line
-        cfg = defaults.resolve(cfg, accelerator)
-        memory_check.check(cfg, accelerator)
+        memory_check.check(cfg, accelerator)  # before anything is built: a run that cannot fit stops in one line
+        cfg = defaults.resolve(cfg, accelerator)  # before config.yaml is written: the run directory records what ran
         host = distributed.HostCollectives(accelerator)
         run_dir = prepare_run_dir(cfg)
         with run_lock.hold(run_dir, accelerator.is_main_process, host) as lock:

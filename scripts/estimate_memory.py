@@ -4,6 +4,7 @@ estimate beside the measured peaks of benchmark result files.
     python -m scripts.estimate_memory --config recipes/qwen2_5_vl-7b.yaml [--gpus N] [--sharding fsdp2|ddp]
         [--gpu-memory-gib G] [--cpu] [dotted.key=value ...]
     python -m scripts.estimate_memory --compare docs/results/recipes-<date>.json [more.json ...] [--out FILE]
+    python -m scripts.estimate_memory --calibration
 
 The first form prints the breakdown, then whether it fits: the GPUs this machine sees, or `--gpu-memory-gib`, or
 with neither an 80 GB H100 and a 141 GB H200; when it does not fit, the overrides that do (as train.py's refusal
@@ -17,6 +18,10 @@ it estimates the same recipe, overrides and launch (`auto` checkpointing resolve
 unless its provenance names an H200), and prints measured / estimated (target: within TOLERANCE);
 `--out` writes the comparison as a new JSON (result files are records of what ran: they are never edited), with
 the provenance of the code that estimated.
+
+`--calibration` prints measured / estimated for every point of the estimate's calibration
+(trainer/memory_calibration.json: the peaks it was fitted to, each with its GPU, date and commit), flagging those
+outside its target; tests/test_memory_calibration.py holds them there.
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from lifecycle import run_files
 from scripts.compare_throughput import VARIANT_OVERRIDES
 from trainer import activation_checkpointing
 from trainer.memory_check import REFERENCE_GPUS, Target, fit_report, gpu_targets, local_target
-from trainer.memory_estimate import estimate_memory
+from trainer.memory_estimate import CALIBRATION_FILE, estimate_memory
 from verification.provenance import provenance
 
 TOLERANCE = 0.15  # the issue's target: an estimate within 15% of the measured peak
@@ -48,10 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="a CPU-only run, against the RAM available")
     parser.add_argument("--compare", nargs="+", default=None, help="result JSONs with measured peak_mem_gib")
     parser.add_argument("--out", default=None, help="with --compare: write the comparison to this new JSON file")
+    parser.add_argument(
+        "--calibration", action="store_true", help="the calibration's measured peaks beside the estimate"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-    if (args.config is None) == (args.compare is None):
-        parser.error("give --config (estimate a recipe) or --compare (estimate measured runs), not both")
+    if sum((args.config is not None, args.compare is not None, args.calibration)) != 1:
+        parser.error("give one of --config (estimate a recipe), --compare (measured runs) or --calibration")
     if args.gpus < 1:
         parser.error("--gpus must be >= 1")
     return args
@@ -151,8 +159,37 @@ def compare(paths: list[str], out: str | None) -> int:
     return 0
 
 
+def estimate_point(point: dict, model=None):
+    """The estimate of a calibration point's recipe, overrides and launch (processes, sharding) on CUDA."""
+    cfg = load_config(point["recipe"], point["overrides"])
+    return estimate_memory(cfg, point["processes"], point["sharding"], True, model=model)
+
+
+def within_target(ratio: float, target: dict) -> bool:
+    return target["measured_over_estimate_min"] <= ratio <= target["measured_over_estimate_max"]
+
+
+def calibration() -> int:
+    """Print measured / estimated for every calibration point (module docstring)."""
+    data = json.loads(CALIBRATION_FILE.read_text())
+    print(f"{'run':<64} {'GPU':<22} {'date':<10} {'measured':>8} {'estimate':>8} {'ratio':>6}")
+    for point in data["points"]:
+        estimate = estimate_point(point)
+        ratio = point["peak_gib"] / estimate.peak_gib
+        flag = "" if within_target(ratio, data["target"]) else "  outside the target"
+        if point.get("excluded"):
+            flag = "  excluded: " + point["excluded"].split(";")[0]
+        print(
+            f"{point['run'][:64]:<64} {point['gpu'][:22]:<22} {point['date']:<10} {point['peak_gib']:8.1f} "
+            f"{estimate.peak_gib:8.1f} {ratio:6.3f}{flag}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.calibration:
+        return calibration()
     return compare(args.compare, args.out) if args.compare else estimate_recipe(args)
 
 

@@ -1,11 +1,12 @@
 """Whether a run fits the devices it has, checked before the model is built (trainer/memory_estimate.py's estimate
 against each GPU's memory, or on a CPU-only host the RAM available), and the overrides that would make it fit.
 
-train.py calls `check(cfg, accelerator)` first (the estimate resolves `auto` settings as trainer/defaults.py will
-for this launch): with `train.memory_check: true` (the default) a run that cannot fit stops with one line (a
-`MemoryFitError`) naming the estimate, the device and the overrides that fit; `warn` logs that line and goes on;
-`false` skips the check. scripts/estimate_memory.py and
-scripts/inspect_data.py print `fit_report`: the estimate held against given GPUs, with the overrides that fit.
+train.py calls `check(cfg, accelerator)` first (the estimate resolves `auto` settings, the checkpointing's included,
+as trainer/defaults.py will for this launch): with `train.memory_check: true` (the default) a run that cannot fit
+stops with one line (a `MemoryFitError`) naming the estimate, the device and the overrides that fit; `warn` logs that
+line and goes on; `false` skips the check. scripts/estimate_memory.py and scripts/inspect_data.py print
+`fit_report`: the estimate held against given GPUs, with the overrides that fit (and with `auto` checkpointing, what
+it resolves to on each).
 """
 
 from __future__ import annotations
@@ -171,6 +172,10 @@ def check(cfg: Config, accelerator, target: Target | None = None) -> MemoryEstim
         target = local_target(on_cuda, accelerator.device.index or 0, 1 if on_cuda else local_processes())
     sharding = sharding_of(accelerator)
     model = meta_model(cfg.model)
+    # `auto` checkpointing as trainer/defaults.py will resolve it next (it logs the choice; a refusal stands alone)
+    cfg, _ = activation_checkpointing.resolve(
+        cfg, accelerator.num_processes, sharding, on_cuda, target.capacity_gib, target.name, model
+    )
     estimate = estimate_memory(cfg, accelerator.num_processes, sharding, on_cuda, model=model)
     if estimate.fits(target.capacity_gib):
         log.info("memory estimate %s, within the %.1f GiB of %s", estimate.describe(), target.capacity_gib, target.name)

@@ -26,9 +26,10 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
                    tensors, routed experts' copies (top-k of them per token); fewer when compiled (inductor recomputes
                    the elementwise ops). A checkpointed block keeps only its input (4 x width per token in the LLM,
                    whose residual stream is fp32; the ViT's is in model.dtype unless an fp32 position embedding is
-                   added) and, while one block recomputes in the backward, CHECKPOINT_WORKING_BLOCKS blocks' worth. A
+                   added) and, while one block recomputes in the backward, `checkpoint_working_blocks` blocks' worth. A
                    part with nothing trainable before it keeps nothing (a frozen ViT and merger run forward only).
-                   The sum is scaled by ACTIVATION_SCALE (eager or compiled blocks, `train.compile`).
+                   A block's count is scaled by its family's `activation_scale` for its part and mode (eager or
+                   compiled blocks, `train.compile`), 1.0 unless the calibration sets one.
     loss           trainer/loss.py: one chunk of logits (bf16 on CUDA, fp32 on the CPU), the lm_head's gradient held
                    from forward to backward (in its own dtype), its bf16 copy, the hidden states' fp32 gradient (T rows)
     compile        COMPILE_WORKSPACE_GIB with train.compile (inductor's workspace), else 0
@@ -54,8 +55,10 @@ image tokens, share 1. A 16k-token pack of 256-1024-token images: ~59k patches (
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -71,12 +74,13 @@ GIB = 2**30
 Sharding = Literal["none", "ddp", "fsdp2"]
 MARGIN_PARTS = ("allocator", "runtime")  # the parts beyond the allocated peak
 
-ACTIVATION_SCALE = {"eager": 1.0, "compiled": 1.0}
-"""Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks. Calibrated from the
-measured peaks in docs/results (docs/memory.md, "Calibration": the 3B, 8B and Qwen3.5 bench shapes eager and compiled,
-the 3B at full depth on one GPU, under DDP and under FSDP2, qwen3_vl-2b.yaml on an H100): at 1.0 for both, every
-estimate is within 10% of its peak (measured / estimated 0.90 to 1.06). `python -m scripts.estimate_memory
---compare <result JSONs>` recomputes the ratios for new measurements (docs/results/recipes-<date>.json)."""
+CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
+"""The calibration, as data: `estimate` holds `checkpoint_working_blocks` (per part: the blocks' worth a recompute
+holds) and `activation_scale` (family -> "eager" /
+"compiled" -> "llm" / "vision" -> measured / counted activations), each with the measurements that set it; `points`
+the measured peaks (recipe, overrides, launch, GPU, date, commit) that tests/test_memory_calibration.py holds within
+`target` of the estimate (docs/memory.md, "Calibration")."""
+CALIBRATION = json.loads(CALIBRATION_FILE.read_text())["estimate"]
 COMPILE_WORKSPACE_GIB = 0.5
 """Inductor's workspace and the compiled blocks' extra buffers with train.compile: an allowance not measured apart
 yet; the compiled peaks of docs/memory.md's calibration fit with it."""
@@ -94,8 +98,6 @@ recipes/qwen2_5_vl-3b.yaml's data hold 58,925 ViT patches per pack on average (s
 data.num_samples=400), the estimate 59,074."""
 RESIDUAL_PROJECTIONS = ("o_proj", "out_proj", "down_proj", "proj", "linear_fc2")
 """Linear layers whose output goes straight into the residual add (which keeps nothing for its backward)."""
-CHECKPOINT_WORKING_BLOCKS = 2
-"""A checkpointed block's backward holds its recomputed activations and about as many bytes of their gradients."""
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv", "in_proj_qkv")
 """Linear layers whose output is kept twice: by the rope or conv that follows, and (rotated) by the attention kernel."""
 
@@ -373,26 +375,42 @@ def tokens_per_pack(cfg: Config) -> int:
 @dataclass(frozen=True)
 class _Activations:
     """Bytes of one stack of blocks: what stays from the forward to the backward (`kept`), and what is alive while
-    its checkpointed blocks recompute in the backward (`recompute`: their inputs and CHECKPOINT_WORKING_BLOCKS
-    blocks' worth; the blocks after them, whose backward runs first, have freed theirs)."""
+    its checkpointed blocks recompute in the backward (`recompute`: their inputs and `checkpoint_working_blocks`
+    blocks' worth; the blocks after them, whose backward runs first, have freed theirs). Scaled by the calibration's
+    activation scale, but for the inputs (their size is exact)."""
 
     kept: float = 0.0
     recompute: float = 0.0
 
 
+def activation_scale(family: str, compiled: bool, part: str) -> float:
+    """The calibration's measured / counted activations of `family`'s `part` ("llm" or "vision"), eager or compiled."""
+    scales = CALIBRATION["activation_scale"].get(family, {}).get("compiled" if compiled else "eager", {})
+    return scales.get(part, CALIBRATION["activation_scale_default"])
+
+
 def _stack_activations(
-    blocks: list[nn.Module], width: int, count: int, checkpointed: int, residual_bytes: int, **kwargs
+    blocks: list[nn.Module],
+    part: str,
+    width: int,
+    count: int,
+    checkpointed: int,
+    residual_bytes: int,
+    scale: float,
+    **kwargs,
 ) -> _Activations:
-    """A stack of blocks over `count` tokens whose first `checkpointed` blocks recompute: those keep their input
-    (`residual_bytes` x width per token), the others every activation."""
+    """A stack of blocks of `part` ("llm" or "vision") over `count` tokens whose first `checkpointed` blocks
+    recompute: those keep their input (`residual_bytes` x width per token), the others every activation (their count
+    times `scale`)."""
     if not blocks or count == 0:
         return _Activations()
-    per_block = [block_activation_bytes(b, width, **kwargs) for b in blocks]
+    per_block = [scale * block_activation_bytes(b, width, **kwargs) for b in blocks]
     inputs = count * residual_bytes * width * checkpointed
     kept = inputs + count * float(sum(per_block[checkpointed:]))
     if not checkpointed:
         return _Activations(kept)
-    return _Activations(kept, inputs + count * CHECKPOINT_WORKING_BLOCKS * max(per_block[:checkpointed]))
+    working = CALIBRATION["checkpoint_working_blocks"][part] * max(per_block[:checkpointed])
+    return _Activations(kept, inputs + count * working)
 
 
 def _activations(
@@ -405,20 +423,23 @@ def _activations(
     expert_bytes: int,
     checkpointed: tuple[int, int],
 ) -> tuple[_Activations, _Activations]:
-    """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches,
-    unscaled; `adapted`: ids of the linear layers with a LoRA adapter; `checkpointed`: the (decoder layers, ViT
+    """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches;
+    `adapted`: ids of the linear layers with a LoRA adapter; `checkpointed`: the (decoder layers, ViT
     blocks) that recompute, the first ones of each stack."""
     layers, blocks = stack_blocks(model)
     text, vision = model.config.text_config, model.config.vision_config
     vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
     trains = _parts_training(cfg)
+    scales = {part: activation_scale(model.config.model_type, compiled, part) for part in ("llm", "vision")}
     lora_on = {part: cfg.lora is not None and getattr(cfg.lora, part) for part in ("vision", "merger")}
     llm = _stack_activations(
         layers,
+        "llm",
         text.hidden_size,
         tokens,
         checkpointed[0],
         residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
+        scale=scales["llm"],
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
         expert_bytes=expert_bytes,  # fp32 expert stacks (module mode, full fine-tune) multiply in fp32
         compiled=compiled,
@@ -432,10 +453,12 @@ def _activations(
     if vision_keeps:
         vit = _stack_activations(
             blocks,
+            "vision",
             vit_width,
             patches,
             checkpointed[1],
             residual_bytes=4 if fp32_positions else _dtype_bytes(cfg.model.dtype),
+            scale=scales["vision"],
             compiled=compiled,
             trained=trains["vision"],
             adapted=adapted,
@@ -443,9 +466,13 @@ def _activations(
     if vision_keeps or trains["merger"] or lora_on["merger"]:
         merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
         units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
-        merger_bytes = merged * sum(
-            block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
-            for u in units
+        merger_bytes = (
+            merged
+            * scales["vision"]
+            * sum(
+                block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
+                for u in units
+            )
         )
         vit = _Activations(vit.kept + merger_bytes, vit.recompute)  # the merger's backward runs before the ViT's
     return llm, vit
@@ -509,7 +536,6 @@ def estimate_memory(
     checkpointed = checkpointed_blocks(cfg, model)
     adapted = frozenset(id(m) for m in targets)
     llm, vit = _activations(model, cfg, tokens, patches, compiled, adapted, expert_bytes, checkpointed)
-    scale = ACTIVATION_SCALE["compiled" if compiled else "eager"]
     params_by_id = {id(p): q for p, q in zip(model.parameters(), base, strict=True)}
     lm_head = params_by_id[id(model.lm_head.weight)]
     lm_head_bytes = 2 if mode == "fsdp2" or lm_head.lora_frozen_cast else 4
@@ -537,16 +563,14 @@ def estimate_memory(
         (vision_held + copies["merger"], max(accumulated, llm_grads), 0.0, max(vit.kept, vit.recompute), 0.0),
         (0.0, states["gradients"], 0.0, 0.0, 0.0),
     ]
-    held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(
-        phases, key=lambda p: p[0] + p[1] + (p[2] + p[3]) * scale + p[4]
-    )
+    held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(phases, key=lambda p: p[0] + p[1] + p[2] + p[3] + p[4])
     part_bytes = {
         **states,
         "weights": states["weights"] + held_copies,
         "gradients": grads,
         "fsdp_buffers": fsdp,
-        "activations_llm": llm_acts * scale,
-        "activations_vision": vit_acts * scale,
+        "activations_llm": llm_acts,
+        "activations_vision": vit_acts,
         "loss": loss_at_peak,
     }
     gib = {name: value / GIB for name, value in part_bytes.items()}
