@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -42,6 +43,13 @@ def loss_grads_and_calls(model: torch.nn.Module, batch: dict) -> tuple[torch.Ten
     for hook in hooks:
         hook.remove()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, calls
+
+
+def defaults_launch(device: str) -> SimpleNamespace:
+    """What trainer/defaults.py and the memory check read of a one-process Accelerator."""
+    return SimpleNamespace(
+        device=torch.device(device), num_processes=1, distributed_type=DistributedType.NO, is_main_process=True
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_5"])
@@ -151,7 +159,6 @@ def test_when_nothing_fits_auto_checkpoints_everything_and_the_check_names_what_
     assert resolved.model.gradient_checkpointing_llm is True and resolved.model.gradient_checkpointing_vision is True
     assert all("over the device: the memory check names what fits" in line for line in lines) and len(lines) == 2
     accelerator = defaults_launch("cuda")
-    accelerator.is_main_process = True
     with pytest.raises(MemoryFitError, match=r"Each of these fits: .*packing.max_tokens="):
         check(resolved, accelerator, Target(40.0, "a 40 GiB test GPU", True))
 
@@ -167,16 +174,8 @@ def test_a_refusal_names_the_checkpointing_counts_that_fit(qwen3_vl_2b):
     )
     assert choice.fits and 0 < choice.counts[0] < 28
     accelerator = defaults_launch("cuda")
-    accelerator.is_main_process = True
     with pytest.raises(MemoryFitError, match=f"model.gradient_checkpointing_llm={choice.counts[0]} "):
         check(explicit, accelerator, Target(capacity, "a test GPU", True))
-
-
-def defaults_launch(device: str, processes: int = 1):
-    from types import SimpleNamespace
-
-    kind = DistributedType.NO if processes == 1 else DistributedType.MULTI_GPU
-    return SimpleNamespace(device=torch.device(device), num_processes=processes, distributed_type=kind)
 
 
 def test_a_cpu_host_resolves_against_its_ram_and_the_config_records_the_choice(caplog):
@@ -189,4 +188,17 @@ def test_a_cpu_host_resolves_against_its_ram_and_the_config_records_the_choice(c
     assert "model.gradient_checkpointing_llm=auto -> false (0 of 2 decoder layers recompute" in caplog.text
     assert "RAM available" in caplog.text
     written = config_tree.to_dict(resolved)["model"]
+    assert (written["gradient_checkpointing_llm"], written["gradient_checkpointing_vision"]) == (False, False)
+
+
+@pytest.mark.slow
+def test_two_processes_take_the_main_process_choice_and_record_it(tmp_path):
+    """DDP over two CPU processes (gloo): `auto` resolves on both ranks against the RAM, every rank takes the main
+    process's choice (one broadcast before the model is built: a rank left out would hang the launch), the run trains
+    and its config.yaml records the resolved values."""
+    from tests.test_distributed import launch, write_mixed_dataset
+
+    data = write_mixed_dataset(tmp_path / "data")
+    launch(2, tmp_path / "run", data, tmp_path / "cache", *AUTO, "train.max_steps=2", "checkpoint.export=false")
+    written = config_tree.to_dict(load_config(str(tmp_path / "run" / "config.yaml")))["model"]
     assert (written["gradient_checkpointing_llm"], written["gradient_checkpointing_vision"]) == (False, False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from modeling.master_weights import cast_param_ids
 from scripts import estimate_memory as cli
 from trainer import activation_checkpointing
 from trainer.memory_check import MemoryFitError, Target, check
-from trainer.memory_estimate import GIB, block_activation_bytes, estimate_memory, meta_model
+from trainer.memory_estimate import CALIBRATION_FILE, GIB, block_activation_bytes, estimate_memory, meta_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -278,3 +279,22 @@ def test_the_command_prints_the_breakdown_beside_the_gpu_memory_given(capsys):
     assert cli.main(["--config", "recipes/qwen2_5_vl-7b.yaml", "--gpus", "8", "--gpu-memory-gib", "79.2"]) == 0
     out = capsys.readouterr().out
     assert "FSDP2 over 8" in out and "79.2 GiB: fits" in out
+
+
+def test_the_command_prints_what_auto_checkpointing_resolves_to_on_each_gpu(capsys):
+    """A recipe with `auto` checkpointing (qwen3_vl-2b as shipped): for each GPU, the counts auto resolves to there,
+    then the breakdown with them and the verdict; a 141 GB H200 recomputes fewer decoder layers than an 80 GB H100."""
+    assert cli.main(["--config", "recipes/qwen3_vl-2b.yaml"]) == 0
+    out = capsys.readouterr().out
+    chosen = [int(n) for n in re.findall(r"(\d+) of 28 decoder layers recompute", out)]
+    assert len(chosen) == 2 and chosen[1] < chosen[0]
+    assert out.count("memory estimate per GPU") == 2 and out.count(": fits (") == 2
+
+
+def test_the_calibration_command_prints_every_point(capsys):
+    """--calibration: one row per point of trainer/memory_calibration.json, the excluded ones saying so."""
+    assert cli.main(["--calibration"]) == 0
+    out = capsys.readouterr().out
+    points = json.loads(CALIBRATION_FILE.read_text())["points"]
+    assert len(out.strip().splitlines()) == 1 + len(points)
+    assert out.count("excluded: ") == sum(bool(p.get("excluded")) for p in points)
