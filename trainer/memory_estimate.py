@@ -38,10 +38,11 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
 
 The peak is the largest of four moments of a step (`optimizer.zero_grad(set_to_none=True)` frees the gradients
 between steps): the end of the forward (every activation, module mode's copies, the loss's stored gradients;
-gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the start of the
-backward (the copies blocks not checkpointed keep, the top block's recompute), the end of the LLM's backward (its
-gradients, the ViT's activations) and the end of the backward (every gradient). The breakdown is the one at the
-peak.
+gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the LLM's
+checkpointed layers recomputing (the layers after them done: their activations and module mode's copies freed, their
+gradients written, in proportion), the ViT's backward (the LLM's gradients, the ViT's activations, or its inputs and
+the recompute of its checkpointed blocks) and the end of the backward (every gradient). The breakdown is the one at
+the peak. The checkpointed blocks are the first of each stack (modeling/parts.py): their backward runs last.
 
 `MemoryEstimate.peak_gib` (weights through compile) is what `torch.cuda.max_memory_allocated` reports (a run's
 `peak_mem_gib`), the quantity scripts/estimate_memory.py --compare checks against measured peaks; `total_gib` adds
@@ -75,11 +76,11 @@ Sharding = Literal["none", "ddp", "fsdp2"]
 MARGIN_PARTS = ("allocator", "runtime")  # the parts beyond the allocated peak
 
 CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
-"""The calibration, as data: `estimate` holds `checkpoint_working_blocks` (per part: the blocks' worth a recompute
-holds) and `activation_scale` (family -> "eager" /
-"compiled" -> "llm" / "vision" -> measured / counted activations), each with the measurements that set it; `points`
-the measured peaks (recipe, overrides, launch, GPU, date, commit) that tests/test_memory_calibration.py holds within
-`target` of the estimate (docs/memory.md, "Calibration")."""
+"""The calibration, as data: `estimate` holds `checkpoint_working_blocks` (per part, "llm" or "vision": the blocks'
+worth of activations alive while a checkpointed block recomputes) and `activation_scale` (model_type -> "eager" or
+"compiled" -> part -> measured / counted activations; `activation_scale_default` elsewhere), each with the
+measurements that set it; `points` the measured peaks (recipe, overrides, launch, GPU, date, commit) that
+tests/test_memory_calibration.py holds within `target` of the estimate (docs/memory.md, "Calibration")."""
 CALIBRATION = json.loads(CALIBRATION_FILE.read_text())["estimate"]
 COMPILE_WORKSPACE_GIB = 0.5
 """Inductor's workspace and the compiled blocks' extra buffers with train.compile: an allowance not measured apart
