@@ -25,8 +25,11 @@ class ModelConfig:
     processor: str | None = None  # processor dir; default: name_or_path, or the built-in tiny processor
     # the matmuls' compute dtype (autocast) and the export's weight dtype; the master weights stay fp32
     dtype: Literal["bfloat16", "float32", "float16"] = "bfloat16"
-    gradient_checkpointing_llm: bool = False  # recompute the decoder layers' activations in backward: less memory
-    gradient_checkpointing_vision: bool = False  # the same for the ViT blocks
+    # recompute the decoder layers' activations in backward (less memory, one more forward of each such layer): true
+    # = every layer, false = none, N = the first N layers, auto = the fewest that fit the GPU by the memory estimate
+    # (trainer/activation_checkpointing.py; the log and the run's config.yaml say what it chose)
+    gradient_checkpointing_llm: bool | Literal["auto"] | int = False
+    gradient_checkpointing_vision: bool | Literal["auto"] | int = False  # the same for the ViT blocks
     freeze_vision: bool = False  # train no vision-tower parameter (patch embedding, blocks)
     freeze_merger: bool = False  # train no patch-merger parameter (deepstack mergers included)
     freeze_llm: bool = False  # train no language-model parameter (embeddings, decoder layers, lm_head)
@@ -41,6 +44,13 @@ class ModelConfig:
             recipe_model_config(self.config)  # a missing or malformed file fails here, naming model.config
         if self.freeze_vision and self.freeze_merger and self.freeze_llm:
             raise ConfigError("model.freeze_vision, freeze_merger and freeze_llm are all true: nothing would train.")
+        for part in ("llm", "vision"):
+            value = getattr(self, f"gradient_checkpointing_{part}")
+            if not isinstance(value, bool) and value != "auto" and value < 0:
+                raise ConfigError(
+                    f"model.gradient_checkpointing_{part} must be true, false, auto or a number of "
+                    f"{'decoder layers' if part == 'llm' else 'ViT blocks'} >= 0 (the first N recompute), got {value}."
+                )
 
 
 LoraTrainable = Literal["vision", "merger", "embed_tokens", "lm_head"]

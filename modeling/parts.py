@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from torch import nn
 
+from core.config_tree import ConfigError
+
 MERGER_NAMES = ("merger", "deepstack_merger_list")
 
 
@@ -51,18 +53,43 @@ def freeze(model: nn.Module, frozen: dict[str, bool]) -> None:
                 module.requires_grad_(False)
 
 
-def enable_gradient_checkpointing(model: nn.Module, llm: bool, vision: bool) -> None:
-    """Recompute activations in backward, separately for the LLM's decoder layers and the ViT's blocks.
+def checkpointed_count(setting: bool | int, blocks: int, key: str) -> int:
+    """How many of a stack's `blocks` a concrete `model.gradient_checkpointing_*` setting recomputes: true all,
+    false none, N the first N; a ConfigError naming `key` for N above the stack's depth or an unresolved `auto`."""
+    if isinstance(setting, bool):
+        return blocks if setting else 0
+    if not isinstance(setting, int):
+        raise ConfigError(
+            f"{key}={setting!r} is not resolved to a number of blocks (trainer/defaults.py resolves auto)."
+        )
+    if setting > blocks:
+        raise ConfigError(f"{key}={setting}: the model has {blocks} such blocks; set at most {blocks} (or true).")
+    return setting
+
+
+def enable_gradient_checkpointing(model: nn.Module, llm: bool | int, vision: bool | int) -> tuple[int, int]:
+    """Recompute activations in backward, separately for the LLM's decoder layers and the ViT's blocks: true every
+    block of the stack, false none, N the first N (the blocks nearest the input, whose backward runs last: the
+    recompute's working memory comes after the later blocks have freed their activations). Returns the
+    (decoder layers, ViT blocks) checkpointed.
 
     Non-reentrant checkpointing: it needs no `enable_input_require_grads` hack when embeddings are frozen and works
-    with FSDP2 and torch.compile.
+    with FSDP2 and torch.compile (modeling/compile.py reads each block's own `gradient_checkpointing` flag).
     """
     inner = inner_model(model)
     kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-    if llm:
-        inner.language_model.gradient_checkpointing_enable(**kwargs)
-    if vision:
-        inner.visual.gradient_checkpointing_enable(**kwargs)
+    counts = []
+    for key, setting, stack, blocks in (
+        ("model.gradient_checkpointing_llm", llm, inner.language_model, inner.language_model.layers),
+        ("model.gradient_checkpointing_vision", vision, inner.visual, inner.visual.blocks),
+    ):
+        count = checkpointed_count(setting, len(blocks), key)
+        if count:
+            stack.gradient_checkpointing_enable(**kwargs)
+            for block in list(blocks)[count:]:
+                block.gradient_checkpointing = False
+        counts.append(count)
+    return counts[0], counts[1]
 
 
 def trainable_counts(model: nn.Module) -> dict[str, int]:

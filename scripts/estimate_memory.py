@@ -4,6 +4,7 @@ estimate beside the measured peaks of benchmark result files.
     python -m scripts.estimate_memory --config recipes/qwen2_5_vl-7b.yaml [--gpus N] [--sharding fsdp2|ddp]
         [--gpu-memory-gib G] [--cpu] [dotted.key=value ...]
     python -m scripts.estimate_memory --compare docs/results/recipes-<date>.json [more.json ...] [--out FILE]
+    python -m scripts.estimate_memory --calibration
 
 The first form prints the breakdown, then whether it fits: the GPUs this machine sees, or `--gpu-memory-gib`, or
 with neither an 80 GB H100 and a 141 GB H200; when it does not fit, the overrides that do (as train.py's refusal
@@ -13,9 +14,14 @@ CPU-only run.
 `--compare` reads result files with measured peaks (`peak_mem_gib`, torch.cuda.max_memory_allocated): a
 recipes-<date>.json of scripts/bench_recipes.py (`recipes[name][variant]`, launched as its `launch` says) or a
 compare_throughput JSON (`variants[name]`, one process unless it records a `launcher`). For every measured variant
-it estimates the same recipe, overrides and launch, and prints measured / estimated (target: within TOLERANCE);
+it estimates the same recipe, overrides and launch (`auto` checkpointing resolved for the file's GPU, an 80 GB H100
+unless its provenance names an H200), and prints measured / estimated (target: within TOLERANCE);
 `--out` writes the comparison as a new JSON (result files are records of what ran: they are never edited), with
 the provenance of the code that estimated.
+
+`--calibration` prints measured / estimated for every point of the estimate's calibration
+(trainer/memory_calibration.json: the peaks it was fitted to, each with its GPU, date and commit), flagging those
+outside its target; tests/test_memory_calibration.py holds them there.
 """
 
 from __future__ import annotations
@@ -29,8 +35,10 @@ from pathlib import Path
 from core.config import load_config
 from core.config_tree import ConfigError
 from lifecycle import run_files
-from trainer.memory_check import Target, fit_report, gpu_targets, local_target
-from trainer.memory_estimate import estimate_memory
+from trainer import activation_checkpointing
+from trainer.memory_check import REFERENCE_GPUS, Target, fit_report, gpu_targets, local_target
+from trainer.memory_estimate import CALIBRATION_FILE, estimate_memory
+from verification.throughput_compare import VARIANT_OVERRIDES
 from verification.provenance import provenance
 from verification.throughput_compare import VARIANT_OVERRIDES
 
@@ -46,10 +54,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cpu", action="store_true", help="a CPU-only run, against the RAM available")
     parser.add_argument("--compare", nargs="+", default=None, help="result JSONs with measured peak_mem_gib")
     parser.add_argument("--out", default=None, help="with --compare: write the comparison to this new JSON file")
+    parser.add_argument(
+        "--calibration", action="store_true", help="the calibration's measured peaks beside the estimate"
+    )
     parser.add_argument("overrides", nargs="*", help="dotted.key=value overrides")
     args = parser.parse_args(argv)
-    if (args.config is None) == (args.compare is None):
-        parser.error("give --config (estimate a recipe) or --compare (estimate measured runs), not both")
+    if sum((args.config is not None, args.compare is not None, args.calibration)) != 1:
+        parser.error("give one of --config (estimate a recipe), --compare (measured runs) or --calibration")
     if args.gpus < 1:
         parser.error("--gpus must be >= 1")
     return args
@@ -77,6 +88,12 @@ def launch_processes(launch: str) -> tuple[int, str]:
     processes = int(match.group(1)) if match else 1
     sharding = "fsdp2" if "fsdp2" in launch else "ddp" if processes > 1 else "none"
     return processes, sharding
+
+
+def result_gpu(result: dict) -> Target:
+    """The reference GPU a result file ran on: a 141 GB H200 when its provenance names an H200, else an 80 GB H100."""
+    name = (result.get("provenance") or {}).get("gpu", {}).get("name", "")
+    return REFERENCE_GPUS[1] if "H200" in name else REFERENCE_GPUS[0]
 
 
 def measured_runs(result: dict) -> list[tuple[str, str, dict, list[str], str]]:
@@ -114,7 +131,10 @@ def compare(paths: list[str], out: str | None) -> int:
         for name, recipe, numbers, overrides, launch in measured_runs(result):
             processes, sharding = launch_processes(launch)
             try:
-                estimate = estimate_memory(load_config(recipe, overrides), processes, sharding, True)
+                cfg = load_config(recipe, overrides)
+                gpu = result_gpu(result)
+                cfg, _ = activation_checkpointing.resolve(cfg, processes, sharding, True, gpu.capacity_gib, gpu.name)
+                estimate = estimate_memory(cfg, processes, sharding, True)
             except ConfigError as error:
                 print(f"  {name:<46} not estimable: {error}")
                 continue
@@ -140,8 +160,37 @@ def compare(paths: list[str], out: str | None) -> int:
     return 0
 
 
+def estimate_point(point: dict, model=None):
+    """The estimate of a calibration point's recipe, overrides and launch (processes, sharding) on CUDA."""
+    cfg = load_config(point["recipe"], point["overrides"])
+    return estimate_memory(cfg, point["processes"], point["sharding"], True, model=model)
+
+
+def within_target(ratio: float, target: dict) -> bool:
+    return target["measured_over_estimate_min"] <= ratio <= target["measured_over_estimate_max"]
+
+
+def calibration() -> int:
+    """Print measured / estimated for every calibration point (module docstring)."""
+    data = json.loads(CALIBRATION_FILE.read_text())
+    print(f"{'run':<64} {'GPU':<22} {'date':<10} {'measured':>8} {'estimate':>8} {'ratio':>6}")
+    for point in data["points"]:
+        estimate = estimate_point(point)
+        ratio = point["peak_gib"] / estimate.peak_gib
+        flag = "" if within_target(ratio, data["target"]) else "  outside the target"
+        if point.get("excluded"):
+            flag = "  excluded: " + point["excluded"].split(";")[0]
+        print(
+            f"{point['run'][:64]:<64} {point['gpu'][:22]:<22} {point['date']:<10} {point['peak_gib']:8.1f} "
+            f"{estimate.peak_gib:8.1f} {ratio:6.3f}{flag}"
+        )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.calibration:
+        return calibration()
     return compare(args.compare, args.out) if args.compare else estimate_recipe(args)
 
 

@@ -468,7 +468,7 @@ def test_eager_variants_pin_what_the_shipped_defaults_change():
     """Every variant but the compiled ones and shipped runs eager with the Conv3d patch embedding whatever the
     defaults resolve to; eager-fp32 is that eager fp32-module path with two loader workers, the baseline of
     scripts/bench_recipes.py."""
-    compiled = {"compiled", "bf16-compiled", "shipped", "shipped-unfused"}
+    compiled = {"compiled", "bf16-compiled", "shipped", "shipped-unfused", "shipped-full-checkpointing"}
     for name, overrides in compare.VARIANT_OVERRIDES.items():
         if name not in compiled:
             assert overrides["train.compile"] == "false" and overrides["kernels.patch_embed"] == "conv", name

@@ -78,8 +78,9 @@ def fresh_dynamo(monkeypatch):
     torch._dynamo.reset()
 
 
-def packed_model(tiny_model, family: str, checkpointing: bool = False) -> torch.nn.Module:
-    """A tiny model as training prepares it: fused rope, packed forward, optionally gradient checkpointing."""
+def packed_model(tiny_model, family: str, checkpointing: bool | int = False) -> torch.nn.Module:
+    """A tiny model as training prepares it: fused rope, packed forward, optionally gradient checkpointing (of every
+    block, or of the first N of each stack)."""
     model = tiny_model(family)
     patch_model(model)
     enable_packed_forward(model)
@@ -114,12 +115,14 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> Non
         pytest.param("qwen3_vl", True, marks=pytest.mark.slow),
         pytest.param("qwen3_5", False, marks=pytest.mark.slow),
         pytest.param("qwen3_5", True, marks=pytest.mark.slow),
+        pytest.param("qwen3_5", 1, marks=pytest.mark.slow),
     ],
 )
 def test_compiled_blocks_equal_eager(tiny_model, tiny_samples, family, checkpointing):
     """Loss and every parameter gradient of compiled blocks equal the eager model's (fp32) over packs of different
     shapes: Qwen2.5-VL's windowed and full-attention ViT blocks, Qwen3.5's decoder layers around eager Gated DeltaNet
-    mixers, and with gradient checkpointing replaying compiled layers."""
+    mixers, and with gradient checkpointing replaying compiled layers, of every block or of the first of each stack
+    (1: the others keep their activations)."""
     eager = packed_model(tiny_model, family, checkpointing)
     compiled = packed_model(tiny_model, family, checkpointing)
     regional.compile_blocks(compiled, backend="aot_eager")
@@ -616,7 +619,9 @@ print(f"RESULT rank={{rank}} worst={{worst}} graphs={{graphs}} in={{worst_name}}
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("family", "checkpointing"), [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen3_5", True)], ids=str
+    ("family", "checkpointing"),
+    [("qwen2_5_vl", False), ("qwen2_5_vl", True), ("qwen2_5_vl", 1), ("qwen3_5", True)],
+    ids=str,
 )
 def test_compiled_blocks_under_fsdp2_match_one_unsharded_model(tmp_path, family, checkpointing):
     """Compiled blocks sharded with FSDP2 (gloo, 2 ranks, packs of different shapes per rank and step), with

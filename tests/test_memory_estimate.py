@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -20,8 +21,9 @@ from core.config import load_config
 from modeling.build import build_model
 from modeling.master_weights import cast_param_ids
 from scripts import estimate_memory as cli
+from trainer import activation_checkpointing
 from trainer.memory_check import MemoryFitError, Target, check
-from trainer.memory_estimate import GIB, block_activation_bytes, estimate_memory, meta_model
+from trainer.memory_estimate import CALIBRATION_FILE, GIB, block_activation_bytes, estimate_memory, meta_model
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = "recipes/tiny-qwen2_5_vl.yaml"
@@ -132,9 +134,11 @@ def test_the_estimate_grows_with_the_pack_and_shrinks_with_sharding_and_checkpoi
     """At the 3B's published size: a larger pack needs more, each checkpointed part less; FSDP2 over more GPUs
     needs less per GPU, and DDP (replicated) no less than one process."""
     recipe = "recipes/qwen2_5_vl-3b.yaml"
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
 
     def peak(*overrides, processes=1, sharding=None):
-        return estimate_memory(load_config(recipe, list(overrides)), processes, sharding, model=model_3b).peak_gib
+        cfg = load_config(recipe, [*checkpointed, *overrides])
+        return estimate_memory(cfg, processes, sharding, model=model_3b).peak_gib
 
     packs = [peak(f"packing.max_tokens={tokens}") for tokens in (4096, 8192, 16384, 32768)]
     assert packs == sorted(packs) and len(set(packs)) == 4
@@ -151,8 +155,9 @@ def test_the_estimate_grows_with_the_pack_and_shrinks_with_sharding_and_checkpoi
 def test_lora_needs_a_fraction_of_the_full_fine_tune():
     """A LoRA run of the 7B (frozen bf16 base, adapters with AdamW) needs less than a third of its full fine-tune on
     one GPU; its trained parameters are under 1% of the model."""
-    full = estimate_memory(load_config("recipes/qwen2_5_vl-7b.yaml"), 1)
-    lora = estimate_memory(load_config("recipes/lora-qwen2_5_vl-7b.yaml"), 1)
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
+    full = estimate_memory(load_config("recipes/qwen2_5_vl-7b.yaml", checkpointed), 1)
+    lora = estimate_memory(load_config("recipes/lora-qwen2_5_vl-7b.yaml", checkpointed[:1]), 1)
     assert lora.total_gib < full.total_gib / 3
     assert lora.trainable_params < 0.01 * lora.total_params
     assert lora.parts["optimizer"] < 1.0 and lora.parts["activations_vision"] == 0  # the frozen ViT keeps nothing
@@ -162,12 +167,15 @@ RECIPES = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "recipes").glob("*.ya
 
 
 def test_every_recipe_is_estimable_on_the_meta_device():
-    """Every shipped recipe's estimate builds from its model on the meta device, one GPU and FSDP2 over 8, with
-    non-negative parts; the tiny recipes and the smoke run need under 2 GiB, on a GPU or a CPU."""
+    """Every shipped recipe's estimate builds from its model on the meta device, one GPU and FSDP2 over 8 (`auto`
+    checkpointing resolved for an 80 GB H100), with non-negative parts; the tiny recipes and the smoke run need under
+    2 GiB, on a GPU or a CPU."""
     for recipe in RECIPES:
         cfg = load_config(recipe)
         model = meta_model(cfg.model)
         for processes in (1, 8):
+            sharding = "none" if processes == 1 else "fsdp2"
+            cfg, _ = activation_checkpointing.resolve(cfg, processes, sharding, True, 79.2, "an H100", model)
             estimate = estimate_memory(cfg, processes, model=model)
             assert all(gib >= 0 for gib in estimate.parts.values()) and estimate.total_gib > 0, recipe
         if "tiny" in recipe or "smoke" in recipe:
@@ -187,13 +195,14 @@ def test_a_run_that_cannot_fit_is_refused_with_the_overrides_that_fit(caplog):
     that each fit (LoRA, FSDP2 over more GPUs); `warn` logs that line and returns; `false` skips the check; the
     same recipe under FSDP2 over 8 fits."""
     h100 = Target(79.2, "each test GPU", True)
-    cfg = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.master_weights=auto", "train.compile=true"])
+    checkpointed = ["model.gradient_checkpointing_llm=true", "model.gradient_checkpointing_vision=true"]
+    cfg = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.master_weights=auto", "train.compile=true", *checkpointed])
     with pytest.raises(MemoryFitError) as refused:
         check(cfg, fake_accelerator(), h100)
     line = str(refused.value)
     assert "\n" not in line and "79.2 GiB of each test GPU" in line
     assert "lora.rank=16" in line and "--num_processes 4" in line and "train.memory_check=warn" in line
-    warn = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.memory_check=warn"])
+    warn = load_config("recipes/qwen2_5_vl-7b.yaml", ["train.memory_check=warn", *checkpointed])
     with caplog.at_level(logging.WARNING, logger="trainer.memory_check"):
         assert check(warn, fake_accelerator(), h100).total_gib > h100.capacity_gib
     assert "train.memory_check=warn" in caplog.text
@@ -270,3 +279,22 @@ def test_the_command_prints_the_breakdown_beside_the_gpu_memory_given(capsys):
     assert cli.main(["--config", "recipes/qwen2_5_vl-7b.yaml", "--gpus", "8", "--gpu-memory-gib", "79.2"]) == 0
     out = capsys.readouterr().out
     assert "FSDP2 over 8" in out and "79.2 GiB: fits" in out
+
+
+def test_the_command_prints_what_auto_checkpointing_resolves_to_on_each_gpu(capsys):
+    """A recipe with `auto` checkpointing (qwen3_vl-2b as shipped): for each GPU, the counts auto resolves to there,
+    then the breakdown with them and the verdict; a 141 GB H200 recomputes fewer decoder layers than an 80 GB H100."""
+    assert cli.main(["--config", "recipes/qwen3_vl-2b.yaml"]) == 0
+    out = capsys.readouterr().out
+    chosen = [int(n) for n in re.findall(r"(\d+) of 28 decoder layers recompute", out)]
+    assert len(chosen) == 2 and chosen[1] < chosen[0]
+    assert out.count("memory estimate per GPU") == 2 and out.count(": fits (") == 2
+
+
+def test_the_calibration_command_prints_every_point(capsys):
+    """--calibration: one row per point of trainer/memory_calibration.json, the excluded ones saying so."""
+    assert cli.main(["--calibration"]) == 0
+    out = capsys.readouterr().out
+    points = json.loads(CALIBRATION_FILE.read_text())["points"]
+    assert len(out.strip().splitlines()) == 1 + len(points)
+    assert out.count("excluded: ") == sum(bool(p.get("excluded")) for p in points)

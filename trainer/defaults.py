@@ -16,8 +16,14 @@ and stays light on a CPU:
     data.num_workers      null → with CUDA, min(8, CPU cores per local process - 1), at least 1; on the CPU 0 (batches
                           collate in the prefetch thread: the cores are busy with the step itself); the rule is
                           data/pipeline.py's `default_loader_workers`, which build_data also applies to a null
+    model.gradient_checkpointing_llm / _vision
+                          auto → the fewest decoder layers / ViT blocks to recompute (true: all, false: none, N: the
+                          first N) so that the memory estimate fits this device (each GPU's memory, or the RAM of a
+                          CPU-only host) with a margin: trainer/activation_checkpointing.py. Every rank takes the main
+                          process's choice.
 
-`resolve` returns the config with those values and logs each one it chose, e.g. `train.compile=auto -> true (CUDA)`;
+`resolve` returns the config with those values and logs each one it chose, e.g. `train.compile=auto -> true (CUDA)`,
+`model.gradient_checkpointing_llm=auto -> 12 (12 of 28 decoder layers recompute; ...)`;
 train.py resolves before it writes the run's config.yaml, so the run directory records what ran, and a resume on a
 machine that resolves differently shows the difference (lifecycle/resume.py).
 """
@@ -27,13 +33,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, broadcast_object_list
 
 from core import families
-from core.config import Config, ConfigError
+from core.config import Config, ConfigError, ModelConfig
 from data.pipeline import cpu_cores, default_loader_workers, local_processes
 from modeling import attention_engines, fp8
+from trainer import activation_checkpointing, memory_check
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +52,12 @@ recipe runs faster and its 30-step curve stays inside bf16's spread (scripts/cur
 
 
 def resolve(cfg: Config, accelerator: Accelerator) -> Config:
-    """`cfg` with train.compile, train.master_weights, kernels.attention and data.num_workers concrete (module
-    docstring); a config without `auto` / null there comes back unchanged and logs nothing."""
+    """`cfg` with train.compile, train.master_weights, train.fp8, kernels.attention, data.num_workers and the
+    checkpointing concrete (module docstring); a config without `auto` / null there comes back unchanged and logs
+    nothing."""
     on_cuda = accelerator.device.type == "cuda"
-    train, data, kernels, chosen = cfg.train, cfg.data, cfg.kernels, []
+    model, chosen = _checkpointing(cfg, accelerator, on_cuda)
+    train, data, kernels = cfg.train, cfg.data, cfg.kernels
     if train.compile == "auto":
         train = dataclasses.replace(train, compile=on_cuda)
         chosen.append(f"train.compile=auto -> {str(on_cuda).lower()} ({'CUDA' if on_cuda else 'no CUDA'})")
@@ -71,7 +81,24 @@ def resolve(cfg: Config, accelerator: Accelerator) -> Config:
         chosen.append(f"data.num_workers=null -> {data.num_workers} ({where})")
     for line in chosen:
         log.info("%s", line)
-    return dataclasses.replace(cfg, train=train, data=data, kernels=kernels) if chosen else cfg
+    return dataclasses.replace(cfg, model=model, train=train, data=data, kernels=kernels) if chosen else cfg
+
+
+def _checkpointing(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[ModelConfig, list[str]]:
+    """cfg.model with `auto` checkpointing resolved for this launch, and the lines that say so (the main process's
+    choice on every rank: another rank's device or free RAM may differ)."""
+    if not activation_checkpointing.is_auto(cfg):
+        return cfg.model, []
+    index = accelerator.device.index or 0
+    target = memory_check.local_target(on_cuda, index, 1 if on_cuda else local_processes())
+    sharding = memory_check.sharding_of(accelerator)
+    resolved, lines = activation_checkpointing.resolve(
+        cfg, accelerator.num_processes, sharding, on_cuda, target.capacity_gib, target.name
+    )
+    chosen = [resolved.model, lines]
+    if accelerator.num_processes > 1 and torch.distributed.is_initialized():
+        broadcast_object_list(chosen, from_process=0)
+    return chosen[0], chosen[1]
 
 
 def _fp8(cfg: Config, train, accelerator: Accelerator) -> tuple[bool, str]:

@@ -1,11 +1,12 @@
 """Whether a run fits the devices it has, checked before the model is built (trainer/memory_estimate.py's estimate
 against each GPU's memory, or on a CPU-only host the RAM available), and the overrides that would make it fit.
 
-train.py calls `check(cfg, accelerator)` first (the estimate resolves `auto` settings as trainer/defaults.py will
-for this launch): with `train.memory_check: true` (the default) a run that cannot fit stops with one line (a
-`MemoryFitError`) naming the estimate, the device and the overrides that fit; `warn` logs that line and goes on;
-`false` skips the check. scripts/estimate_memory.py and
-scripts/inspect_data.py print `fit_report`: the estimate held against given GPUs, with the overrides that fit.
+train.py calls `check(cfg, accelerator)` first (the estimate resolves `auto` settings, the checkpointing's included,
+as trainer/defaults.py will for this launch): with `train.memory_check: true` (the default) a run that cannot fit
+stops with one line (a `MemoryFitError`) naming the estimate, the device and the overrides that fit; `warn` logs that
+line and goes on; `false` skips the check. scripts/estimate_memory.py and scripts/inspect_data.py print
+`fit_report`: the estimate held against given GPUs, with the overrides that fit (and with `auto` checkpointing, what
+it resolves to on each).
 """
 
 from __future__ import annotations
@@ -18,7 +19,16 @@ from torch import nn
 
 from core.config import Config, LoraConfig
 from data.pipeline import local_processes
-from trainer.memory_estimate import GIB, MemoryEstimate, Sharding, estimate_memory, meta_model
+from trainer import activation_checkpointing
+from trainer.memory_estimate import (
+    GIB,
+    MemoryEstimate,
+    Sharding,
+    checkpointed_blocks,
+    estimate_memory,
+    meta_model,
+    stack_blocks,
+)
 
 log = logging.getLogger(__name__)
 FSDP2_LAUNCH = "accelerate launch --config_file recipes/accelerate/fsdp2.yaml --num_processes {n} train.py ..."
@@ -83,18 +93,32 @@ def _lora_overrides(cfg: Config) -> tuple[Config, str]:
 def suggestions(
     cfg: Config, num_processes: int, sharding: Sharding, target: Target, model: nn.Module
 ) -> list[Suggestion]:
-    """Single changes that bring the estimate under `target` (each alone, cheapest first): checkpointing what is
-    not checkpointed, LoRA for a full fine-tune, the largest smaller pack, FSDP2 over the fewest GPUs (CUDA)."""
+    """Single changes that bring the estimate under `target` (each alone, cheapest first): checkpointing more of
+    what is not all checkpointed (the counts `auto` would choose), LoRA for a full fine-tune, the largest smaller
+    pack, FSDP2 over the fewest GPUs (CUDA)."""
 
     def estimate(changed: Config, processes: int = num_processes, shard: Sharding = sharding) -> MemoryEstimate:
         return estimate_memory(changed, processes, shard, target.on_cuda, model=model)
 
     found = []
-    flags = [f"gradient_checkpointing_{part}" for part in ("llm", "vision")]
-    flags = [flag for flag in flags if not getattr(cfg.model, flag)]
-    if flags:
-        checkpointed = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, **dict.fromkeys(flags, True)))
-        found.append(Suggestion(" ".join(f"model.{flag}=true" for flag in flags), estimate(checkpointed)))
+    depths = dict(zip(activation_checkpointing.PARTS, map(len, stack_blocks(model)), strict=True))
+    counts = dict(zip(activation_checkpointing.PARTS, checkpointed_blocks(cfg, model), strict=True))
+    short = {part: "auto" for part, count in counts.items() if count < depths[part]}
+    if short:
+        choice = activation_checkpointing.choose(
+            activation_checkpointing.with_counts(cfg, short),
+            num_processes,
+            sharding,
+            target.on_cuda,
+            target.capacity_gib,
+            model,
+        )
+        change = " ".join(
+            f"model.gradient_checkpointing_{part}={str(choice.setting(part)).lower()}"
+            for part in short
+            if choice.setting(part) != getattr(cfg.model, f"gradient_checkpointing_{part}")
+        )
+        found.append(Suggestion(change, choice.estimate))
     if cfg.lora is None:
         lora_cfg, change = _lora_overrides(cfg)
         found.append(Suggestion(change, estimate(lora_cfg)))
@@ -148,6 +172,10 @@ def check(cfg: Config, accelerator, target: Target | None = None) -> MemoryEstim
         target = local_target(on_cuda, accelerator.device.index or 0, 1 if on_cuda else local_processes())
     sharding = sharding_of(accelerator)
     model = meta_model(cfg.model)
+    # `auto` checkpointing as trainer/defaults.py will resolve it next (it logs the choice; a refusal stands alone)
+    cfg, _ = activation_checkpointing.resolve(
+        cfg, accelerator.num_processes, sharding, on_cuda, target.capacity_gib, target.name, model
+    )
     estimate = estimate_memory(cfg, accelerator.num_processes, sharding, on_cuda, model=model)
     if estimate.fits(target.capacity_gib):
         log.info("memory estimate %s, within the %.1f GiB of %s", estimate.describe(), target.capacity_gib, target.name)
@@ -171,17 +199,26 @@ def gpu_targets(gpu_memory_gib: float | None = None) -> list[Target]:
 
 
 def fit_report(cfg: Config, gpus: int, sharding: Sharding, on_cuda: bool, held_against: list[Target]) -> list[str]:
-    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do."""
+    """The estimate's lines, then each target with whether it fits and, where not, the overrides that do. With
+    `auto` checkpointing, what it resolves to on each target, and the estimate's lines with it."""
     model = meta_model(cfg.model)
-    estimate = estimate_memory(cfg, gpus, sharding, on_cuda, model=model)
-    lines = estimate.lines()
+    auto = activation_checkpointing.is_auto(cfg)
+    lines = [] if auto else estimate_memory(cfg, gpus, sharding, on_cuda, model=model).lines()
     for target in held_against:
-        room = target.capacity_gib - estimate.total_gib
+        resolved = cfg
+        if auto:
+            resolved, chosen = activation_checkpointing.resolve(
+                cfg, gpus, sharding, on_cuda, target.capacity_gib, target.name, model
+            )
+            lines += [f"{target.name}, {target.capacity_gib:.1f} GiB:", *(f"  {line}" for line in chosen)]
+            lines += estimate_memory(resolved, gpus, sharding, on_cuda, model=model).lines()
+        held = estimate_memory(resolved, gpus, sharding, on_cuda, model=model)
+        room = target.capacity_gib - held.total_gib
         verdict = f"fits ({room:.1f} GiB to spare)" if room >= 0 else f"does not fit ({-room:.1f} GiB short)"
         lines.append(f"{target.name}, {target.capacity_gib:.1f} GiB: {verdict}")
         if room < 0:
             lines += [
                 f"  fits with {fix.change}: ~{fix.estimate.total_gib:.1f} GiB"
-                for fix in suggestions(cfg, gpus, sharding, target, model)
+                for fix in suggestions(resolved, gpus, sharding, target, model)
             ]
     return lines

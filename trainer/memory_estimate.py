@@ -26,9 +26,10 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
                    tensors, routed experts' copies (top-k of them per token); fewer when compiled (inductor recomputes
                    the elementwise ops). A checkpointed block keeps only its input (4 x width per token in the LLM,
                    whose residual stream is fp32; the ViT's is in model.dtype unless an fp32 position embedding is
-                   added) and, while one block recomputes in the backward, CHECKPOINT_WORKING_BLOCKS blocks' worth. A
+                   added) and, while one block recomputes in the backward, `checkpoint_working_blocks` blocks' worth. A
                    part with nothing trainable before it keeps nothing (a frozen ViT and merger run forward only).
-                   The sum is scaled by ACTIVATION_SCALE (eager or compiled blocks, `train.compile`).
+                   A block's count is scaled by its family's `activation_scale` for its part and mode (eager or
+                   compiled blocks, `train.compile`), 1.0 unless the calibration sets one.
     loss           trainer/loss.py: one chunk of logits (bf16 on CUDA, fp32 on the CPU), the lm_head's gradient held
                    from forward to backward (in its own dtype), its bf16 copy, the hidden states' fp32 gradient (T rows)
     compile        COMPILE_WORKSPACE_GIB with train.compile (inductor's workspace), else 0
@@ -37,10 +38,11 @@ How each part is counted (bytes per parameter; T tokens and P ViT patches per pa
 
 The peak is the largest of four moments of a step (`optimizer.zero_grad(set_to_none=True)` frees the gradients
 between steps): the end of the forward (every activation, module mode's copies, the loss's stored gradients;
-gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the start of the
-backward (the copies blocks not checkpointed keep, the top block's recompute), the end of the LLM's backward (its
-gradients, the ViT's activations) and the end of the backward (every gradient). The breakdown is the one at the
-peak.
+gradients only from earlier micro-steps, or under DDP, whose buckets hold them from the start), the LLM's
+checkpointed layers recomputing (the layers after them done: their activations and module mode's copies freed, their
+gradients written, in proportion), the ViT's backward (the LLM's gradients, the ViT's activations, or its inputs and
+the recompute of its checkpointed blocks) and the end of the backward (every gradient). The breakdown is the one at
+the peak. The checkpointed blocks are the first of each stack (modeling/parts.py): their backward runs last.
 
 `MemoryEstimate.peak_gib` (weights through compile) is what `torch.cuda.max_memory_allocated` reports (a run's
 `peak_mem_gib`), the quantity scripts/estimate_memory.py --compare checks against measured peaks; `total_gib` adds
@@ -54,8 +56,10 @@ image tokens, share 1. A 16k-token pack of 256-1024-token images: ~59k patches (
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -71,12 +75,13 @@ GIB = 2**30
 Sharding = Literal["none", "ddp", "fsdp2"]
 MARGIN_PARTS = ("allocator", "runtime")  # the parts beyond the allocated peak
 
-ACTIVATION_SCALE = {"eager": 1.0, "compiled": 1.0}
-"""Measured activations / `block_activation_bytes`' count, for eager and for compiled blocks. Calibrated from the
-measured peaks in docs/results (docs/memory.md, "Calibration": the 3B, 8B and Qwen3.5 bench shapes eager and compiled,
-the 3B at full depth on one GPU, under DDP and under FSDP2, qwen3_vl-2b.yaml on an H100): at 1.0 for both, every
-estimate is within 10% of its peak (measured / estimated 0.90 to 1.06). `python -m scripts.estimate_memory
---compare <result JSONs>` recomputes the ratios for new measurements (docs/results/recipes-<date>.json)."""
+CALIBRATION_FILE = Path(__file__).with_name("memory_calibration.json")
+"""The calibration, as data: `estimate` holds `checkpoint_working_blocks` (per part, "llm" or "vision": the blocks'
+worth of activations alive while a checkpointed block recomputes) and `activation_scale` (model_type -> "eager" or
+"compiled" -> part -> measured / counted activations; `activation_scale_default` elsewhere), each with the
+measurements that set it; `points` the measured peaks (recipe, overrides, launch, GPU, date, commit) that
+tests/test_memory_calibration.py holds within `target` of the estimate (docs/memory.md, "Calibration")."""
+CALIBRATION = json.loads(CALIBRATION_FILE.read_text())["estimate"]
 COMPILE_WORKSPACE_GIB = 0.5
 """Inductor's workspace and the compiled blocks' extra buffers with train.compile: an allowance not measured apart
 yet; the compiled peaks of docs/memory.md's calibration fit with it."""
@@ -94,8 +99,6 @@ recipes/qwen2_5_vl-3b.yaml's data hold 58,925 ViT patches per pack on average (s
 data.num_samples=400), the estimate 59,074."""
 RESIDUAL_PROJECTIONS = ("o_proj", "out_proj", "down_proj", "proj", "linear_fc2")
 """Linear layers whose output goes straight into the residual add (which keeps nothing for its backward)."""
-CHECKPOINT_WORKING_BLOCKS = 2
-"""A checkpointed block's backward holds its recomputed activations and about as many bytes of their gradients."""
 ATTENTION_INPUTS = ("q_proj", "k_proj", "v_proj", "qkv", "in_proj_qkv")
 """Linear layers whose output is kept twice: by the rope or conv that follows, and (rotated) by the attention kernel."""
 
@@ -347,7 +350,7 @@ def block_activation_bytes(
     return total
 
 
-def _blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
+def stack_blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """(decoder layers, ViT blocks)."""
     inner = parts.inner_model(model)
     return list(inner.language_model.layers), list(inner.visual.blocks)
@@ -364,7 +367,7 @@ def vision_patches_per_pack(cfg: Config, tokens: int, vision_config) -> int:
     return int(tokens * share * merge**2)
 
 
-def _tokens_per_pack(cfg: Config) -> int:
+def tokens_per_pack(cfg: Config) -> int:
     if cfg.packing.mode == "padded":
         return cfg.packing.padded_batch_size * cfg.packing.max_tokens
     return -(-cfg.packing.max_tokens // cfg.parallel.context)
@@ -372,25 +375,43 @@ def _tokens_per_pack(cfg: Config) -> int:
 
 @dataclass(frozen=True)
 class _Activations:
-    """Bytes of one stack of blocks: what stays from the forward to the backward (`kept`), and what the backward of
-    a checkpointed block adds while it runs (`working`)."""
+    """Bytes of one stack of blocks: what stays from the forward to the backward (`kept`), and what is alive while
+    its checkpointed blocks recompute in the backward (`recompute`: their inputs and `checkpoint_working_blocks`
+    blocks' worth; the blocks after them, whose backward runs first, have freed theirs). Scaled by the calibration's
+    activation scale, but for the inputs (their size is exact)."""
 
     kept: float = 0.0
-    working: float = 0.0
+    recompute: float = 0.0
+
+
+def activation_scale(family: str, compiled: bool, part: str) -> float:
+    """The calibration's measured / counted activations of `family`'s `part` ("llm" or "vision"), eager or compiled."""
+    scales = CALIBRATION["activation_scale"].get(family, {}).get("compiled" if compiled else "eager", {})
+    return scales.get(part, CALIBRATION["activation_scale_default"])
 
 
 def _stack_activations(
-    blocks: list[nn.Module], width: int, count: int, checkpointed: bool, residual_bytes: int, **kwargs
+    blocks: list[nn.Module],
+    part: str,
+    width: int,
+    count: int,
+    checkpointed: int,
+    residual_bytes: int,
+    scale: float,
+    **kwargs,
 ) -> _Activations:
-    """A stack of blocks over `count` tokens: every block's activations, or with checkpointing every block's input
-    (`residual_bytes` x width per token) kept and CHECKPOINT_WORKING_BLOCKS blocks' worth while one recomputes."""
+    """A stack of blocks of `part` ("llm" or "vision") over `count` tokens whose first `checkpointed` blocks
+    recompute: those keep their input (`residual_bytes` x width per token), the others every activation (their count
+    times `scale`)."""
     if not blocks or count == 0:
         return _Activations()
-    per_block = [block_activation_bytes(b, width, **kwargs) for b in blocks]
-    if checkpointed:
-        inputs = count * residual_bytes * width * len(blocks)
-        return _Activations(inputs, count * CHECKPOINT_WORKING_BLOCKS * max(per_block))
-    return _Activations(count * float(sum(per_block)))
+    per_block = [scale * block_activation_bytes(b, width, **kwargs) for b in blocks]
+    inputs = count * residual_bytes * width * checkpointed
+    kept = inputs + count * float(sum(per_block[checkpointed:]))
+    if not checkpointed:
+        return _Activations(kept)
+    working = CALIBRATION["checkpoint_working_blocks"][part] * max(per_block[:checkpointed])
+    return _Activations(kept, inputs + count * working)
 
 
 def _activations(
@@ -401,20 +422,25 @@ def _activations(
     compiled: bool,
     adapted: frozenset[int],
     expert_bytes: int,
+    checkpointed: tuple[int, int],
 ) -> tuple[_Activations, _Activations]:
-    """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches,
-    unscaled; `adapted`: ids of the linear layers with a LoRA adapter."""
-    layers, blocks = _blocks(model)
+    """(the LLM's, the ViT's and merger's) activations for a pack of `tokens` tokens and `patches` ViT patches;
+    `adapted`: ids of the linear layers with a LoRA adapter; `checkpointed`: the (decoder layers, ViT
+    blocks) that recompute, the first ones of each stack."""
+    layers, blocks = stack_blocks(model)
     text, vision = model.config.text_config, model.config.vision_config
     vit_width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL's hidden_size is the LLM's
     trains = _parts_training(cfg)
+    scales = {part: activation_scale(model.config.model_type, compiled, part) for part in ("llm", "vision")}
     lora_on = {part: cfg.lora is not None and getattr(cfg.lora, part) for part in ("vision", "merger")}
     llm = _stack_activations(
         layers,
+        "llm",
         text.hidden_size,
         tokens,
-        cfg.model.gradient_checkpointing_llm,
+        checkpointed[0],
         residual_bytes=4,  # the input embeddings stay fp32, so the residual stream does
+        scale=scales["llm"],
         top_k=getattr(text, "num_experts_per_tok", 0) or 0,
         expert_bytes=expert_bytes,  # fp32 expert stacks (module mode, full fine-tune) multiply in fp32
         compiled=compiled,
@@ -428,10 +454,12 @@ def _activations(
     if vision_keeps:
         vit = _stack_activations(
             blocks,
+            "vision",
             vit_width,
             patches,
-            cfg.model.gradient_checkpointing_vision,
+            checkpointed[1],
             residual_bytes=4 if fp32_positions else _dtype_bytes(cfg.model.dtype),
+            scale=scales["vision"],
             compiled=compiled,
             trained=trains["vision"],
             adapted=adapted,
@@ -439,11 +467,15 @@ def _activations(
     if vision_keeps or trains["merger"] or lora_on["merger"]:
         merged = patches // vision.spatial_merge_size**2  # a merger's matmuls run on merged tokens
         units = [unit for m in parts.merger_parts(model) for unit in _units(m)]
-        merger_bytes = merged * sum(
-            block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
-            for u in units
+        merger_bytes = (
+            merged
+            * scales["vision"]
+            * sum(
+                block_activation_bytes(u, vit_width, compiled=compiled, trained=trains["merger"], adapted=adapted)
+                for u in units
+            )
         )
-        vit = _Activations(vit.kept + merger_bytes, vit.working)
+        vit = _Activations(vit.kept + merger_bytes, vit.recompute)  # the merger's backward runs before the ViT's
     return llm, vit
 
 
@@ -458,7 +490,7 @@ def _loss_bytes(model: nn.Module, tokens: int, on_cuda: bool, lm_head_trainable:
 
 def _fsdp_buffers(model: nn.Module, params_by_id: dict[int, _Param]) -> float:
     """Bytes FSDP2 holds beyond the shards (module docstring)."""
-    layers, blocks = _blocks(model)
+    layers, blocks = stack_blocks(model)
     unit_ids = {id(p) for unit in layers + blocks for p in unit.parameters()}
     root = sum(p.numel() for p in model.parameters() if id(p) not in unit_ids)
     largest = max((sum(p.numel() for p in unit.parameters()) for unit in layers + blocks), default=0)
@@ -497,12 +529,14 @@ def estimate_memory(
     params = base + _adapters(targets, cfg.lora.rank if cfg.lora else 0)
     states = _state_bytes(params, mode, dtype_bytes, shards)
 
-    tokens = _tokens_per_pack(cfg)
+    tokens = tokens_per_pack(cfg)
     vision = model.config.vision_config
     patches = vision_patches if vision_patches is not None else vision_patches_per_pack(cfg, tokens, vision)
     expert_bytes = 4 if mode == "module" and cfg.lora is None else dtype_bytes
-    llm, vit = _activations(model, cfg, tokens, patches, compiled, frozenset(id(m) for m in targets), expert_bytes)
-    scale = ACTIVATION_SCALE["compiled" if compiled else "eager"]
+    layers, blocks = stack_blocks(model)
+    checkpointed = checkpointed_blocks(cfg, model)
+    adapted = frozenset(id(m) for m in targets)
+    llm, vit = _activations(model, cfg, tokens, patches, compiled, adapted, expert_bytes, checkpointed)
     params_by_id = {id(p): q for p, q in zip(model.parameters(), base, strict=True)}
     lm_head = params_by_id[id(model.lm_head.weight)]
     lm_head_bytes = 2 if mode == "fsdp2" or lm_head.lora_frozen_cast else 4
@@ -518,30 +552,26 @@ def estimate_memory(
     # module mode's autocast copies: all of them at the end of the forward (autocast's cache); in the backward only
     # those the matmuls of blocks that are not checkpointed keep (and the merger's, which is never checkpointed)
     copies = {part: states.pop(f"copies_{part}") for part in ("llm", "vision", "merger")}
-    held = {
-        "llm": 0.0 if cfg.model.gradient_checkpointing_llm else copies["llm"],
-        "vision": 0.0 if cfg.model.gradient_checkpointing_vision else copies["vision"],
-        "merger": copies["merger"],
-    }
+    vision_held = copies["vision"] * (1 - checkpointed[1] / len(blocks)) if blocks else 0.0
     # the peak, the largest of: the end of the forward (every activation kept, every copy, the loss's stored
-    # gradients), the start of the backward (the top block recomputed), the end of the LLM's backward (its gradients,
-    # the ViT's activations) and the end of the backward (every gradient)
+    # gradients), the LLM's checkpointed layers recomputing (the layers after them done: their activations and
+    # copies freed, their gradients written), the ViT's backward (the LLM's gradients, the ViT's activations or its
+    # checkpointed blocks recomputing) and the end of the backward (every gradient)
+    upper_llm_grads = llm_grads * (1 - checkpointed[0] / len(layers))
     phases = [  # (copies, gradients, LLM activations, ViT activations, loss)
         (sum(copies.values()), accumulated, llm.kept, vit.kept, loss),
-        (sum(held.values()), accumulated, llm.kept + llm.working, vit.kept, loss),
-        (held["vision"] + held["merger"], max(accumulated, llm_grads), 0.0, vit.kept + vit.working, 0.0),
+        (vision_held + copies["merger"], max(accumulated, upper_llm_grads), llm.recompute, vit.kept, loss),
+        (vision_held + copies["merger"], max(accumulated, llm_grads), 0.0, max(vit.kept, vit.recompute), 0.0),
         (0.0, states["gradients"], 0.0, 0.0, 0.0),
     ]
-    held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(
-        phases, key=lambda p: p[0] + p[1] + (p[2] + p[3]) * scale + p[4]
-    )
+    held_copies, grads, llm_acts, vit_acts, loss_at_peak = max(phases, key=lambda p: p[0] + p[1] + p[2] + p[3] + p[4])
     part_bytes = {
         **states,
         "weights": states["weights"] + held_copies,
         "gradients": grads,
         "fsdp_buffers": fsdp,
-        "activations_llm": llm_acts * scale,
-        "activations_vision": vit_acts * scale,
+        "activations_llm": llm_acts,
+        "activations_vision": vit_acts,
         "loss": loss_at_peak,
     }
     gib = {name: value / GIB for name, value in part_bytes.items()}
@@ -561,6 +591,18 @@ def estimate_memory(
         trainable_params=sum(p.numel for p in params if p.trainable),
         on_cuda=on_cuda,
     )
+
+
+def checkpointed_blocks(cfg: Config, model: nn.Module) -> tuple[int, int]:
+    """The (decoder layers, ViT blocks) that `cfg`'s concrete checkpointing settings recompute (the first ones of
+    each stack); a ConfigError for a count above the model's depth or an `auto` not yet resolved
+    (trainer/activation_checkpointing.py resolves it)."""
+    layers, blocks = stack_blocks(model)
+    llm = parts.checkpointed_count(
+        cfg.model.gradient_checkpointing_llm, len(layers), "model.gradient_checkpointing_llm"
+    )
+    key = "model.gradient_checkpointing_vision"
+    return llm, parts.checkpointed_count(cfg.model.gradient_checkpointing_vision, len(blocks), key)
 
 
 def _units(module: nn.Module) -> list[nn.Module]:

@@ -122,8 +122,16 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         parts.freeze(
             model, {"vision": cfg.model.freeze_vision, "merger": cfg.model.freeze_merger, "llm": cfg.model.freeze_llm}
         )
-    parts.enable_gradient_checkpointing(
+    checkpointed = parts.enable_gradient_checkpointing(
         model, llm=cfg.model.gradient_checkpointing_llm, vision=cfg.model.gradient_checkpointing_vision
+    )
+    layers, blocks = len(model.model.language_model.layers), len(model.model.visual.blocks)
+    log.info(
+        "activation checkpointing: %d of %d decoder layers, %d of %d ViT blocks recompute in backward",
+        checkpointed[0],
+        layers,
+        checkpointed[1],
+        blocks,
     )
     if cfg.train.fp8:
         log.info("train.fp8: %d decoder linears on float8 (torchao, tensorwise)", fp8.convert_decoder_linears(model))

@@ -84,8 +84,12 @@ Variants (train.py overrides they set):
            (`make compare VARIANTS=shipped,shipped-unfused`)
   eager-fp32  train.compile=false, kernels.patch_embed=conv, train.master_weights=module, data.num_workers=2: eager
            fp32 module weights, the baseline the shipped defaults are measured against
-  Every variant but bf16-weights, bf16-compiled and shipped sets train.master_weights=module; every one but
-  compiled, bf16-compiled and shipped runs eager with transformers' Conv3d patch embedding.
+  shipped-full-checkpointing  model.gradient_checkpointing_llm=true, model.gradient_checkpointing_vision=true
+           and nothing else: as shipped with every decoder layer and ViT block recomputed, the recipes' setting
+           before `auto` (beside `shipped`: what sizing the checkpointing to the GPU buys; a LoRA recipe's frozen ViT
+           needs no gradient, so its flag changes nothing there)
+  Every variant but bf16-weights, bf16-compiled and the shipped ones sets train.master_weights=module; every one but
+  compiled, bf16-compiled and the shipped ones runs eager with transformers' Conv3d patch embedding.
 """
 
 from __future__ import annotations
@@ -131,6 +135,10 @@ VARIANT_OVERRIDES = {
     "shipped": {},
     "shipped-unfused": {"kernels.mrope": "unfused"},
     "eager-fp32": {**EAGER, **FP32_MODULE, "data.num_workers": "2"},
+    "shipped-full-checkpointing": {
+        "model.gradient_checkpointing_llm": "true",
+        "model.gradient_checkpointing_vision": "true",
+    },
 }
 # Keys the script sets for every run; a user override of one of them would silently break the comparison.
 RESERVED_KEYS = {
