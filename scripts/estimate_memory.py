@@ -38,7 +38,6 @@ from lifecycle import run_files
 from trainer import activation_checkpointing
 from trainer.memory_check import REFERENCE_GPUS, Target, fit_report, gpu_targets, local_target
 from trainer.memory_estimate import CALIBRATION_FILE, estimate_memory
-from verification.throughput_compare import VARIANT_OVERRIDES
 from verification.provenance import provenance
 from verification.throughput_compare import VARIANT_OVERRIDES
 
