@@ -31,7 +31,7 @@ FP8_MIN_CAPABILITY = (8, 9)  # float8 tensor-core matmuls: Ada, Hopper and newer
 
 def fp8_unavailable(device: torch.device) -> str | None:
     """Why float8 training cannot run on `device`, or None when it can."""
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return "no CUDA device"
     if torch.cuda.get_device_capability(device) < FP8_MIN_CAPABILITY:
         major, minor = torch.cuda.get_device_capability(device)
