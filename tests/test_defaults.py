@@ -71,7 +71,13 @@ def test_the_cpu_runs_eager_and_collates_inline():
 
 def test_explicit_settings_are_kept_and_nothing_is_logged(caplog):
     """A recipe or override that sets the keys gets exactly those values, with no resolution logged."""
-    overrides = ("train.compile=false", "train.master_weights=module", "data.num_workers=3")
+    overrides = (
+        "train.compile=false",
+        "train.master_weights=module",
+        "data.num_workers=3",
+        "kernels.attention=fa2",
+        "train.fp8=false",
+    )
     cfg = load_config(TINY, list(overrides))
     with caplog.at_level(logging.INFO, logger=defaults.__name__):
         assert defaults.resolve(cfg, launch("cuda")) is cfg
