@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench-attention bench-fp8 bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -52,6 +52,12 @@ lint: install  ## ruff, line length 120
 format: install  ## apply ruff's fixes and formatting
 	$(VENV)/bin/ruff check --fix .
 	$(VENV)/bin/ruff format .
+
+bench-attention:  ## the packed attention engines (fa2, fa4, FlexAttention) on the recipes' shapes, with errors against fp32 (GPU)
+	$(PY) -m scripts.bench_attention --out artifacts/bench/attention.json $(ARGS)
+
+bench-fp8:  ## float8 linears (torchao) against bf16 on the recipes' layer shapes, compiled (GPU)
+	$(PY) -m scripts.bench_fp8 --out artifacts/bench/fp8.json $(ARGS)
 
 bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
 	$(PY) -m scripts.bench_mrope --out artifacts/bench/bench_mrope.json
