@@ -5,7 +5,7 @@ PY := $(if $(wildcard $(VENV)/bin/python),$(VENV)/bin/python,python3)
 CONFIG ?= recipes/smoke.yaml
 ARGS ?=
 
-.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench-attention bench-float8 bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
+.PHONY: help install test test-all test-gpu gpu-checks gpu-bench gpu-cp bench-recipes bench-lm-head lint format bench-attention bench-linears bench smoke-test generate chat compare profile inspect-data estimate-memory verify-packing clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -56,7 +56,7 @@ format: install  ## apply ruff's fixes and formatting
 bench-attention:  ## the packed attention engines (fa2, fa4, FlexAttention) on the recipes' shapes, with errors against fp32 (GPU)
 	$(PY) -m scripts.bench_attention --out artifacts/bench/attention.json $(ARGS)
 
-bench-float8:  ## float8 linears (torchao) against bf16 on the recipes' layer shapes, compiled (GPU)
+bench-linears:  ## float8 linears (torchao) against bf16 on the recipes' layer shapes, compiled (GPU)
 	$(PY) -m scripts.bench_fp8 --out artifacts/bench/fp8.json $(ARGS)
 
 bench:  ## kernel benchmark against HF eager, torch.compile, Liger and the copy floor (GPU)
