@@ -164,6 +164,41 @@ def source_data_config(data_cfg: DataConfig, source: SourceConfig) -> DataConfig
     return dataclasses.replace(data_cfg, sources=None, **own)
 
 
+def held_out_shares(data_cfg: DataConfig) -> dict[str, float]:
+    """Each source's held-out share (its eval_fraction, else the section's), keyed by where the value comes from:
+    {"data.eval_fraction": f} without a mixture, else "data.sources[i].eval_fraction" or
+    "data.sources[i] (data.eval_fraction)" per source, in order."""
+    if not data_cfg.sources:
+        return {"data.eval_fraction": data_cfg.eval_fraction}
+    shares = {}
+    for index, source in enumerate(data_cfg.sources):
+        own = source.eval_fraction is not None
+        where = f"data.sources[{index}].eval_fraction" if own else f"data.sources[{index}] (data.eval_fraction)"
+        shares[where] = source.eval_fraction if own else data_cfg.eval_fraction
+    return shares
+
+
+# The settings that decide how an image or a video frame is resized and sampled: a source of a mixture may set its own.
+PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")
+
+
+def agreed_pixel_settings(data_cfg: DataConfig) -> tuple[DataConfig, dict[str, list]]:
+    """(settings, disagreements): the section with a mixture's pixel and frame settings (PIXEL_KEYS) taken from its
+    sources where they all agree (what a single-processor consumer such as the export or generation on new data
+    resizes by), and each key on which the sources differ, with every source's value; no sources: (data_cfg, {})."""
+    if not data_cfg.sources:
+        return data_cfg, {}
+    per_source = [source_data_config(data_cfg, source) for source in data_cfg.sources]
+    agreed, differ = {}, {}
+    for key in PIXEL_KEYS:
+        values = [getattr(settings, key) for settings in per_source]
+        if len(set(values)) == 1:
+            agreed[key] = values[0]
+        else:
+            differ[key] = values
+    return dataclasses.replace(data_cfg, **agreed), differ
+
+
 def source_names(sources: list[SourceConfig]) -> list[str]:
     """Each source's label: its `name`, else its file's stem, else (stems shared, as data.jsonl's) its directory's
     name; a label still shared gets the source's index appended."""

@@ -38,7 +38,7 @@ from transformers.utils import cached_file
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.collate import Collator
-from data.config import DataConfig, PackingConfig, source_data_config, source_names
+from data.config import DataConfig, PackingConfig, agreed_pixel_settings, source_data_config, source_names
 from data.formats import DataError
 from data.image_files import files_signature, list_files
 from data.packing import ConsumedSteps, Leftover, Pack, PackItem, deal_steps, pack_stream, packs_after, whole_groups
@@ -128,7 +128,15 @@ def load_processor(model_cfg, data_cfg: DataConfig):
 def processor_for_export(processor, data_cfg: DataConfig):
     """A copy of `processor` whose saved config carries the run's pixel bounds: the image processor's `size` (what
     AutoProcessor, vLLM and SGLang resize by) set to data.min/max_pixels, and a video processor's (when the processor
-    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did."""
+    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did. A
+    mixture's sources' own bounds count where they all agree; where they differ, the section's, said in one line."""
+    data_cfg, differ = agreed_pixel_settings(data_cfg)
+    if differ:
+        logger.warning(
+            "data.sources resize differently (%s): the export's processor resizes by the data section's %s",
+            "; ".join(f"{key}: {values}" for key, values in differ.items()),
+            ", ".join(f"data.{key}={getattr(data_cfg, key)}" for key in differ),
+        )
     exported = copy.deepcopy(processor)
     bounds = image_size_kwargs(exported.image_processor, data_cfg.min_pixels, data_cfg.max_pixels)
     video_bounds = VideoSettings.from_config(data_cfg, processor.image_processor).size_kwargs

@@ -38,10 +38,14 @@ TABLE_KEY = "generations"
 
 
 def _source_prompts(data, max_samples: int | None, processor, model_config) -> Iterator[EvalPrompt]:
-    """Prompts of one source's held-out records that are not skipped, in record order."""
+    """Prompts of one source's held-out records that are not skipped, in record order (none when the source holds
+    none out: a mixture's source with eval_fraction 0)."""
+    period = eval_period(data.eval_fraction)
+    if not period:
+        return
     records, image_root = source_records(data, max_samples)
     builder = evaluate.prompt_builder_for(processor, model_config, data, image_root)
-    for index in range(0, len(records), eval_period(data.eval_fraction)):
+    for index in range(0, len(records), period):
         prompt = builder.build(records[index], index)
         if prompt.row is not None:
             yield prompt
