@@ -18,7 +18,7 @@ class SourceConfig:
     path: str = ""  # a file, a directory, a hub id, or "builtin", as data.path
     weight: float = 1.0  # share of the mixture's samples: weight / the sum of the sources' weights
     name: str | None = None  # label in logs and metrics (default: the file's stem, made unique)
-    format: Literal["auto", "llava", "messages"] | None = None
+    format: Literal["auto", "llava", "messages", "pairs", "alpaca"] | None = None
     image_root: str | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
@@ -52,7 +52,8 @@ class DataConfig:
     sources: list[SourceConfig] | None = None
     max_visual_tokens: int | None = None  # per sample: larger images shrink, videos lose frames then resolution
     image_root: str | None = None  # where relative image paths resolve (default: the data file's directory)
-    format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
+    # record layout (docs/data.md): auto detects it from each record
+    format: Literal["auto", "llava", "messages", "pairs", "alpaca"] = "auto"
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
     video_share: float = 0.2  # share of video samples in the built-in dataset (ignored for other paths)
     # the built-in dataset's question kinds (data/synthetic.py's KINDS), each sample's drawn uniformly from them;

@@ -21,7 +21,7 @@ from datasets import Dataset, Features, List, Value
 from data.processing import SampleProcessor
 
 FILES_COLUMN = "__image_files__"
-LISTING_VERSION = 1  # bump when what `SampleProcessor.image_files` returns changes, to list the records again
+LISTING_VERSION = 2  # bump when what `SampleProcessor.image_files` returns changes, to list the records again
 STAT_THREADS = 16
 PATHS_PER_READ = 4096  # distinct paths turned into Python strings at once
 LISTING_BATCH = 1000  # records per call of the listing map

@@ -60,7 +60,7 @@ from data.tiny_processor import image_only_processor_class, load_or_build_tiny_p
 from data.video import VideoSettings
 
 logger = logging.getLogger(__name__)
-PROCESSING_VERSION = 3  # bump when processing output changes, to invalidate cached datasets
+PROCESSING_VERSION = 4  # bump when processing output changes, to invalidate cached datasets
 # Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 ROW_INDEX_COLUMN = "__row_index__"
@@ -525,6 +525,7 @@ def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: Dat
     train_rows, eval_rows = np.flatnonzero(kept & ~held_out), np.flatnonzero(kept & held_out)
     stats.records, stats.kept_train, stats.kept_eval = len(processed), len(train_rows), len(eval_rows)
     stats.train_tokens = int(rows.lengths[train_rows].sum(dtype=np.int64))
+    stats.placeholders_added = int(table.column("placeholders_added").to_numpy().sum())
     return rows, train_rows, eval_rows
 
 
@@ -628,10 +629,13 @@ def _streaming(
                     stats.records += 1
                     stats.kept_eval += item is not None and held_out
                     stats.kept_train += item is not None and not held_out
+                    stats.placeholders_added += row["placeholders_added"]
                 if item is not None and held_out == want_eval:
                     yield item
             if count:
                 counted_epochs.add(epoch)
+                if stats.placeholders_note():
+                    logger.info(stats.placeholders_note())
 
         return items
 
@@ -727,6 +731,8 @@ def build_data(
         logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)
         for name, source_stats in stats.sources.items():
             logger.log(level, "data source %s: %s", name, source_stats.summary())
+        if stats.placeholders_note():
+            logger.info(stats.placeholders_note())
     collator = Collator(
         processor.image_processor,
         image_token_id=model_config.image_token_id,

@@ -23,7 +23,7 @@ from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from data.config import DataConfig
-from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref
+from data.formats import DataError, SampleError, load_image, normalize_record, normalized_record, resolve_ref
 from data.positions import rope_index_fn
 from data.video import (
     VideoSettings,
@@ -77,6 +77,8 @@ PROCESSED_FEATURES = Features(
         ),
         "length": Value("int32"),  # L
         "num_patches": Value("int32"),  # ViT patches of all images and videos (before the merger)
+        # the record had media but no placeholders, and got them in front of its first user turn (formats.py)
+        "placeholders_added": Value("bool"),
     }
 )
 
@@ -215,6 +217,7 @@ def _skipped(sample_id: str, error: SampleError) -> dict:
         "video_settings": [],
         "length": 0,
         "num_patches": 0,
+        "placeholders_added": False,
     }
 
 
@@ -306,7 +309,7 @@ class SampleProcessor:
         return [ref["path"] for ref in refs if ref["bytes"] is None and ref["path"]]
 
     def process(self, record: Mapping, sample_id: str) -> dict:
-        messages, refs, video_refs = normalize_record(record, self.data_format)
+        messages, refs, video_refs, placeholders_added = normalized_record(record, self.data_format)
         refs = [resolve_ref(ref, self.image_root) for ref in refs]
         images = [load_image(ref) for ref in refs]
         video_refs = [resolve_video(ref, self.image_root) for ref in video_refs]
@@ -370,6 +373,7 @@ class SampleProcessor:
             ],
             "length": len(input_ids),
             "num_patches": sum(t * h * w for t, h, w in grids + video_grids),
+            "placeholders_added": placeholders_added > 0,
         }
 
     def fit_budget(self, visuals: list[Visual]) -> list[Visual]:
