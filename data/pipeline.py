@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.utils import cached_file
 
+from core.caches import mapped
 from core.config_tree import ConfigError
 from core.families import hf_config
 from data.collate import Collator
@@ -502,8 +503,10 @@ def source_build_lock(cache: str, source_fingerprint: str) -> Iterator[None]:
 
 
 def processed_records(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
-    """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`."""
-    return records.map(
+    """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`
+    and reads back (core/caches.py's `mapped`: else computed again, said in one line)."""
+    run_map = functools.partial(
+        records.map,
         sample_processor,
         with_indices=True,
         remove_columns=records.column_names,
@@ -512,6 +515,7 @@ def processed_records(records: Dataset, sample_processor: SampleProcessor, finge
         new_fingerprint=fingerprint,
         desc="processing samples",
     )
+    return mapped(records, fingerprint, run_map, "processed data")
 
 
 def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
