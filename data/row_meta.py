@@ -56,7 +56,9 @@ class DataStats:
         """The one line that says placeholders were added, and to how many records (per source for a mixture)."""
         if not self.placeholders_added:
             return None
-        sources = ", ".join(f"{name}: {stats.placeholders_added}" for name, stats in self.sources.items())
+        sources = ", ".join(
+            f"{name}: {s.placeholders_added}" for name, s in self.sources.items() if s.placeholders_added
+        )
         return (
             f"data: {self.placeholders_added} records have images or videos but no <image> / <video> placeholder"
             f"{f' ({sources})' if sources else ''}; each got one per image and video in front of its first user "

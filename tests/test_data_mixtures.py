@@ -13,10 +13,11 @@ import torch
 from core.config import load_config
 from core.config_tree import ConfigError
 from core.families import hf_config
-from data.config import SourceConfig, agreed_pixel_settings, source_names
+from data.config import DataConfig, SourceConfig, agreed_pixel_settings, source_names
 from data.pipeline import build_data, load_processor, processor_for_export
 from data.row_meta import MixtureOrder, RowMeta, quotas
 from data.synthetic import write_builtin_dataset
+from inference import evaluate
 from inference.during_training import held_out_prompts
 from trainer.memory_estimate import largest_max_pixels
 from trainer.metrics import IntervalCounts, source_metrics
@@ -289,3 +290,21 @@ def test_pixel_settings_the_sources_agree_on_reach_the_export_and_generation(cap
     assert largest_max_pixels(cfg.data) == 20000
     wider = load_config("recipes/tiny-qwen2_5_vl.yaml", ["data.sources=[{path: a, max_pixels: 90000}, {path: b}]"])
     assert largest_max_pixels(wider.data) is None  # the second source keeps the data's own sizes
+
+
+def test_generation_reads_the_held_out_records_of_a_streamed_run(tmp_path, sources):
+    """train.generate_every with data.streaming=true (records without a length): the held-out prompts are those of
+    the same data read in memory; scripts.generate's built-in set of a streamed run is read by index too."""
+    prompts = {}
+    for streaming in ("true", "false"):
+        cfg = load_config(
+            "recipes/tiny-qwen2_5_vl.yaml",
+            [f"data.cache_dir={tmp_path}", f"data.path={sources['mixed']}", f"data.streaming={streaming}",
+             "data.eval_fraction=0.2", "train.generate_every=1"],
+        )  # fmt: skip
+        processor = load_processor(cfg.model, cfg.data)
+        prompts[streaming] = [p.sample_id for p in held_out_prompts(cfg, processor, hf_config(cfg.model), 3)]
+    assert len(prompts["true"]) == 3 and prompts["true"] == prompts["false"]
+    streamed = DataConfig(streaming=True, cache_dir=str(tmp_path))
+    records, _, settings = evaluate.open_eval_records(streamed, "builtin", 4, None, None)
+    assert len(records) == 4 and not settings.streaming
