@@ -126,12 +126,17 @@ def load_processor(model_cfg, data_cfg: DataConfig):
         )
 
 
+# The pixel settings an exported processor carries (frame rate and frame cap are the serving engine's request's).
+EXPORTED_PIXEL_KEYS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+
+
 def processor_for_export(processor, data_cfg: DataConfig):
     """A copy of `processor` whose saved config carries the run's pixel bounds: the image processor's `size` (what
     AutoProcessor, vLLM and SGLang resize by) set to data.min/max_pixels, and a video processor's (when the processor
     has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did. A
     mixture's sources' own bounds count where they all agree; where they differ, the section's, said in one line."""
     data_cfg, differ = agreed_pixel_settings(data_cfg)
+    differ = {key: values for key, values in differ.items() if key in EXPORTED_PIXEL_KEYS}
     if differ:
         logger.warning(
             "data.sources resize differently (%s): the export's processor resizes by the data section's %s",

@@ -276,17 +276,19 @@ def test_pixel_settings_the_sources_agree_on_reach_the_export_and_generation(cap
         "recipes/tiny-qwen2_5_vl.yaml",
         [
             "data.max_pixels=50000",
-            "data.sources=[{path: a.jsonl, max_pixels: 20000, video_fps: 1}, {path: b.jsonl, max_pixels: 20000}]",
+            "data.sources=[{path: a.jsonl, max_pixels: 20000, video_fps: 1, video_max_pixels: 9000}, "
+            "{path: b.jsonl, max_pixels: 20000}]",
         ],
     )
     settings, differ = agreed_pixel_settings(cfg.data)
     assert settings.max_pixels == 20000 and settings.video_fps == cfg.data.video_fps
-    assert differ == {"video_fps": [1.0, cfg.data.video_fps]}
+    assert differ == {"video_fps": [1.0, cfg.data.video_fps], "video_max_pixels": [9000, None]}
     processor = load_processor(cfg.model, cfg.data)
     with caplog.at_level(logging.WARNING, logger="data.pipeline"):
         exported = processor_for_export(processor, cfg.data)
     assert exported.image_processor.size["longest_edge"] == 20000
-    assert [r.getMessage() for r in caplog.records if "video_fps: [1.0, 2.0]" in r.getMessage()]
+    lines = [r.getMessage() for r in caplog.records if "resize differently" in r.getMessage()]
+    assert len(lines) == 1 and "video_max_pixels: [9000, None]" in lines[0] and "video_fps" not in lines[0]
     assert largest_max_pixels(cfg.data) == 20000
     wider = load_config("recipes/tiny-qwen2_5_vl.yaml", ["data.sources=[{path: a, max_pixels: 90000}, {path: b}]"])
     assert largest_max_pixels(wider.data) is None  # the second source keeps the data's own sizes
