@@ -56,17 +56,20 @@ def manifest_problem(directory: Path) -> str | None:
         listed = json.loads((directory / MANIFEST).read_text())["files"]
     except FileNotFoundError:
         return f"no {MANIFEST}"
-    except (ValueError, KeyError, TypeError) as error:
+    except (OSError, ValueError, KeyError, TypeError) as error:
         return f"{MANIFEST} does not read back ({error})"
-    present = {str(p.relative_to(directory)): p for p in _files(directory)}
-    for name, (size, checksum) in sorted(listed.items()):
-        path = present.pop(name, None)
-        if path is None:
-            return f"{name} is missing"
-        if path.stat().st_size != size:
-            return f"{name} has {path.stat().st_size} bytes, not {size}"
-        if _digest(path) != checksum:
-            return f"{name} does not match its checksum"
+    try:  # another process may be moving a damaged directory aside meanwhile
+        present = {str(p.relative_to(directory)): p for p in _files(directory)}
+        for name, (size, checksum) in sorted(listed.items()):
+            path = present.pop(name, None)
+            if path is None:
+                return f"{name} is missing"
+            if path.stat().st_size != size:
+                return f"{name} has {path.stat().st_size} bytes, not {size}"
+            if _digest(path) != checksum:
+                return f"{name} does not match its checksum"
+    except OSError as error:
+        return _one_line(error)
     if present:
         return f"{sorted(present)[0]} is not in {MANIFEST}"
     return None
