@@ -326,6 +326,21 @@ def with_system(record: Mapping, messages: list[dict]) -> list[dict]:
     return [{"role": "system", "content": [_text_item(system)]}, *messages]
 
 
+def _role_content_turns(turns: list) -> bool:
+    """`conversations` written with role/content turns (LLaMA-Factory's sharegpt tags set so), not from/value."""
+    return bool(turns) and isinstance(turns[0], Mapping) and "role" in turns[0] and "from" not in turns[0]
+
+
+def retype_llava_video_placeholders(messages: list[dict], images: list, videos: list) -> None:
+    """LLaVA-OneVision / LLaVA-Video records mark a video with `<image>` (their model takes its frames as images): a
+    record with videos, no image and no `<video>`, and one `<image>` per video, has its `<image>` placeholders read
+    as the videos'."""
+    if images or not videos or _count(messages, "video") or _count(messages, "image") != len(videos):
+        return
+    for message in messages:
+        message["content"] = [{"type": "video"} if item["type"] == "image" else item for item in message["content"]]
+
+
 def add_missing_placeholders(messages: list[dict], images: list, videos: list) -> int:
     """As LLaMA-Factory's chat engine does: a record with images but no image placeholder anywhere gets one per
     image in front of its first user turn, and likewise videos (the videos' in front of the images'). Returns the
@@ -364,8 +379,11 @@ def normalized_record(record: Mapping, data_format: str) -> NormalizedRecord:
     """
     refuse_unsupported(record)
     layout = detect_format(record) if data_format == "auto" else data_format
-    if layout == "llava" and "conversations" in record:
+    if layout == "llava" and "conversations" in record and _role_content_turns(record["conversations"]):
+        messages, images, videos = normalize_messages({**record, "messages": record["conversations"]})
+    elif layout == "llava" and "conversations" in record:
         messages, images, videos = normalize_llava(record)
+        retype_llava_video_placeholders(messages, images, videos)
     elif layout == "messages" and "messages" in record:
         messages, images, videos = normalize_messages(record)
     elif layout == "pairs" and "conversation" in record:

@@ -109,6 +109,28 @@ def test_a_record_with_its_placeholders_is_unchanged():
                 ("assistant", [text("Red.")]),
             ],
         ),
+        (  # LLaVA-Video / OneVision: a video marked by <image>
+            {
+                "video": "clips/dog.mp4",
+                "conversations": [
+                    {"from": "human", "value": "<image>\nWhat happens?"},
+                    {"from": "gpt", "value": "A run."},
+                ],
+            },
+            "llava",
+            [("user", [{"type": "video"}, text("\nWhat happens?")]), ("assistant", [text("A run.")])],
+        ),
+        (  # LLaMA-Factory sharegpt with role/content tags
+            {
+                "conversations": [
+                    {"role": "user", "content": "<image>What?"},
+                    {"role": "assistant", "content": "A cat."},
+                ],
+                "images": ["cat.png"],
+            },
+            "llava",
+            [("user", [{"type": "image"}, text("What?")]), ("assistant", [text("A cat.")])],
+        ),
         (  # LLaMA-Factory sharegpt: LLaVA's layout plus a top-level system
             {
                 "system": "Be brief.",
@@ -125,11 +147,12 @@ def test_a_record_with_its_placeholders_is_unchanged():
     ],
 )
 def test_peer_layouts_read_as_their_frameworks_read_them(record, layout, expected):
-    """Each layout gives the conversation its framework builds (detected, and named in data.format alike)."""
+    """Each layout gives the conversation its framework builds (detected, and named in data.format alike); a
+    LLaVA-Video record's `<image>` beside a video and no image is that video's placeholder."""
     for data_format in ("auto", layout):
-        messages, images, _, _ = normalized_record(record, data_format)
+        messages, images, videos, _ = normalized_record(record, data_format)
         assert [(m["role"], m["content"]) for m in messages] == expected
-        assert images == [{"path": "cat.png", "bytes": None}]
+        assert len(images) + len(videos) == 1
 
 
 CONVERSATION = [{"from": "human", "value": "<image>What?"}, {"from": "gpt", "value": "A cat."}]
