@@ -309,9 +309,10 @@ UNSUPPORTED_KEYS = {
 
 def refuse_unsupported(record: Mapping) -> None:
     """SampleError (unknown_format) naming what to change when the record carries a training kind this trainer does
-    not train (UNSUPPORTED_KEYS); empty values count as absent, as arrow gives every row each column."""
+    not train (UNSUPPORTED_KEYS); empty values count as absent, as arrow gives every row each column (and
+    LLaMA-Factory writes no tools as the JSON string "[]")."""
     for key, change in UNSUPPORTED_KEYS.items():
-        if record.get(key) not in (None, "", [], {}):
+        if record.get(key) not in (None, "", "[]", [], {}):
             raise SampleError("unknown_format", change)
 
 

@@ -58,6 +58,15 @@ def test_some_placeholders_but_not_all_stay_a_counted_mismatch(record, reason):
     assert error.value.reason == f"{reason}_count_mismatch"
 
 
+def test_empty_values_of_the_refused_keys_are_absent():
+    """A column every row has (arrow's union of keys) left empty, or LLaMA-Factory's "[]" for no tools, refuses
+    nothing."""
+    record = {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}], "tools": "[]"}
+    assert normalized_record({**record, "chosen": None, "objects": [], "audios": []}, "auto").messages[1]["role"] == (
+        "assistant"
+    )
+
+
 def test_a_record_with_its_placeholders_is_unchanged():
     """Placeholders already there are kept where they are and none is added."""
     record = {"messages": [{"role": "user", "content": "a <image> b"}, {"role": "assistant", "content": "c"}]}
