@@ -145,20 +145,33 @@ def mapped(dataset, fingerprint: str, run_map: Callable[[], object], what: str):
     return run_map()
 
 
+def _read_back(build: Callable[[], object]):
+    """(dataset, None) when `build()` reads back with the row count its dataset_info.json records, else (None, what
+    is wrong)."""
+    try:
+        dataset = build()
+    except READ_ERRORS as error:
+        return None, _one_line(error)
+    split = (dataset.info.splits or {}).get("train")
+    if split is None or not split.num_examples or split.num_examples == len(dataset):
+        return dataset, None
+    return None, f"{len(dataset)} rows, not the {split.num_examples} its dataset_info.json records"
+
+
 def built_dataset(build: Callable[[], object], cache_dir: str, what: str):
     """`build()` (a datasets builder's conversion of a data file into an arrow cache under `cache_dir`, which it
     reuses when it is there); a cache that does not read back, or holds another number of rows than its
-    dataset_info.json records, is removed (one warning line naming it) and built again."""
+    dataset_info.json records, is removed (one warning line naming it) and built again, under a lock beside it
+    (the ranks of a node find it damaged together, and one rebuilds it)."""
     if not os.path.isdir(cache_dir) or not os.listdir(cache_dir):  # nothing cached: no error is the cache's
         return build()
-    try:
-        dataset = build()
-        split = (dataset.info.splits or {}).get("train")
-        if split is None or not split.num_examples or split.num_examples == len(dataset):
-            return dataset
-        problem = f"{len(dataset)} rows, not the {split.num_examples} its dataset_info.json records"
-    except READ_ERRORS as error:
-        problem = _one_line(error)
+    dataset, problem = _read_back(build)
+    if problem is None:
+        return dataset
     logger.warning("the %s cache %s does not read back (%s): converting it again", what, cache_dir, problem)
-    shutil.rmtree(cache_dir, ignore_errors=True)
-    return build()
+    with FileLock(cache_dir.rstrip("/") + ".lock"):
+        dataset, problem = _read_back(build)  # another process may have converted it meanwhile
+        if problem is None:
+            return dataset
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        return build()
