@@ -4,9 +4,11 @@
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pytest
+from PIL import Image
 
 from core.config import load_config
 from core.families import hf_config
@@ -263,3 +265,18 @@ def test_the_docs_examples_from_other_frameworks_are_read():
         messages, images, videos, _ = normalized_record(record, "auto")
         counts = [sum(item["type"] == kind for m in messages for item in m["content"]) for kind in ("image", "video")]
         assert counts == [len(images), len(videos)] and any(m["role"] == "assistant" for m in messages)
+
+
+def test_inspect_data_says_how_many_records_got_placeholders(tmp_path, monkeypatch, capsys):
+    """`scripts.inspect_data` prints the placeholder note beside its sample counts."""
+    from scripts import inspect_data
+
+    image = tmp_path / "red.png"
+    Image.new("RGB", (56, 56), "red").save(image)
+    turns = [{"role": "user", "content": "What colour?"}, {"role": "assistant", "content": "Red."}]
+    records = [{"messages": turns, "images": [str(image)]}] * 3 + [{"messages": turns}]
+    (tmp_path / "plain.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    argv = ["inspect_data", "--config", "recipes/tiny-qwen2_5_vl.yaml", f"data.path={tmp_path / 'plain.jsonl'}"]
+    monkeypatch.setattr(sys, "argv", [*argv, f"data.cache_dir={tmp_path / 'cache'}", "data.eval_fraction=0"])
+    inspect_data.main()
+    assert "3 records have images or videos but no <image> / <video> placeholder" in capsys.readouterr().out
