@@ -11,7 +11,7 @@ from typing import Literal
 
 from core import config_tree
 from core.config_tree import ConfigError, check_seed
-from core.data_config import DataConfig, PackingConfig
+from core.data_config import DataConfig, PackingConfig, held_out_shares
 from core.families import recipe_model_config
 
 
@@ -244,16 +244,7 @@ class Config:
 
     def validate(self) -> None:
         """Checks across sections (each section checks its own fields)."""
-        if self.train.eval_every and self.data.eval_fraction == 0:
-            raise ConfigError(
-                "train.eval_every > 0 needs a held-out split: set data.eval_fraction > 0 (e.g. 0.02) "
-                "or train.eval_every=0."
-            )
-        if self.train.generate_every and self.data.eval_fraction == 0:
-            raise ConfigError(
-                "train.generate_every > 0 answers held-out records: set data.eval_fraction > 0 (e.g. 0.02) or "
-                "train.generate_every=0."
-            )
+        self._validate_held_out()
         if self.train.master_weights == "optimizer" and self.model.dtype == "float16":
             raise ConfigError(
                 "train.master_weights=optimizer supports model.dtype=bfloat16 only: float16 weights would need their "
@@ -272,6 +263,22 @@ class Config:
                     f"train.lr_{part} is set but model.freeze_{part} is true: unset one of them "
                     f"(train.lr_{part}=null or model.freeze_{part}=false)."
                 )
+
+    def _validate_held_out(self) -> None:
+        """Evaluation and generation during training read held-out records: some source must hold some out."""
+        shares = held_out_shares(self.data)
+        if any(share > 0 for share in shares.values()):
+            return
+        for key, needs in (("eval_every", "needs a held-out split"), ("generate_every", "answers held-out records")):
+            if not getattr(self.train, key):
+                continue
+            if not self.data.sources:
+                raise ConfigError(f"train.{key} > 0 {needs}: set data.eval_fraction > 0 (e.g. 0.02) or train.{key}=0.")
+            zeros = ", ".join(f"{where}=0" for where in shares)
+            raise ConfigError(
+                f"train.{key} > 0 {needs}, but no source of data.sources holds any out ({zeros}): set one of them "
+                f"> 0 (e.g. 0.02), or train.{key}=0."
+            )
 
     def _validate_lora(self, lora: LoraConfig) -> None:
         parts = ("vision", "merger", "llm")

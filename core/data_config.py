@@ -27,7 +27,7 @@ class SourceConfig:
     path: str = ""  # a file, a directory, a hub id, or "builtin", as data.path
     weight: float = 1.0  # share of the mixture's samples: weight / the sum of the sources' weights
     name: str | None = None  # label in logs and metrics (default: the file's stem, made unique)
-    format: Literal["auto", "llava", "messages"] | None = None
+    format: Literal["auto", "llava", "messages", "pairs", "alpaca"] | None = None
     image_root: str | None = None
     min_pixels: int | None = None
     max_pixels: int | None = None
@@ -39,19 +39,10 @@ class SourceConfig:
     eval_fraction: float | None = None  # held-out share of this source
 
 
+# The settings that decide how an image or a video frame is resized and sampled: a source of a mixture may set its own.
+PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")
 # SourceConfig keys a source sets for itself; the others (weight, name) belong to the mixture.
-SOURCE_DATA_KEYS = (
-    "path",
-    "format",
-    "image_root",
-    "min_pixels",
-    "max_pixels",
-    "video_fps",
-    "video_max_frames",
-    "video_min_pixels",
-    "video_max_pixels",
-    "eval_fraction",
-)
+SOURCE_DATA_KEYS = ("path", "format", "image_root", *PIXEL_KEYS, "eval_fraction")
 
 
 @dataclass
@@ -61,7 +52,8 @@ class DataConfig:
     sources: list[SourceConfig] | None = None
     max_visual_tokens: int | None = None  # per sample: larger images shrink, videos lose frames then resolution
     image_root: str | None = None  # where relative image paths resolve (default: the data file's directory)
-    format: Literal["auto", "llava", "messages"] = "auto"  # record layout; auto detects it from the records
+    # record layout (docs/data.md): auto detects it from each record
+    format: Literal["auto", "llava", "messages", "pairs", "alpaca"] = "auto"
     num_samples: int = 2000  # size of the built-in dataset (ignored for other paths)
     video_share: float = 0.2  # share of video samples in the built-in dataset (ignored for other paths)
     # the built-in dataset's question kinds (KINDS), each sample's drawn uniformly from them;
@@ -171,6 +163,37 @@ def source_data_config(data_cfg: DataConfig, source: SourceConfig) -> DataConfig
     the section's elsewhere (seed, cache, on_error, max_visual_tokens...)."""
     own = {key: getattr(source, key) for key in SOURCE_DATA_KEYS if getattr(source, key) is not None}
     return dataclasses.replace(data_cfg, sources=None, **own)
+
+
+def held_out_shares(data_cfg: DataConfig) -> dict[str, float]:
+    """Each source's held-out share (its eval_fraction, else the section's), keyed by where the value comes from:
+    {"data.eval_fraction": f} without a mixture, else "data.sources[i].eval_fraction" or
+    "data.sources[i] (data.eval_fraction)" per source, in order."""
+    if not data_cfg.sources:
+        return {"data.eval_fraction": data_cfg.eval_fraction}
+    shares = {}
+    for index, source in enumerate(data_cfg.sources):
+        own = source.eval_fraction is not None
+        where = f"data.sources[{index}].eval_fraction" if own else f"data.sources[{index}] (data.eval_fraction)"
+        shares[where] = source.eval_fraction if own else data_cfg.eval_fraction
+    return shares
+
+
+def agreed_pixel_settings(data_cfg: DataConfig) -> tuple[DataConfig, dict[str, list]]:
+    """(settings, disagreements): the section with a mixture's pixel and frame settings (PIXEL_KEYS) taken from its
+    sources where they all agree (what a single-processor consumer such as the export or generation on new data
+    resizes by), and each key on which the sources differ, with every source's value; no sources: (data_cfg, {})."""
+    if not data_cfg.sources:
+        return data_cfg, {}
+    per_source = [source_data_config(data_cfg, source) for source in data_cfg.sources]
+    agreed, differ = {}, {}
+    for key in PIXEL_KEYS:
+        values = [getattr(settings, key) for settings in per_source]
+        if len(set(values)) == 1:
+            agreed[key] = values[0]
+        else:
+            differ[key] = values
+    return dataclasses.replace(data_cfg, **agreed), differ
 
 
 def source_names(sources: list[SourceConfig]) -> list[str]:

@@ -17,6 +17,7 @@ import io
 import os
 import re
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import numpy as np
 from PIL import Image, UnidentifiedImageError
@@ -40,6 +41,9 @@ SKIP_REASONS = (
     "too_long",
 )
 LLAVA_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+# (prompt, answer) keys of one-question records: LLaMA-Factory's alpaca layout, ms-swift's query/response layout
+ALPACA_KEYS = (("instruction", "output"), ("query", "response"))
+PAIR_KEYS = frozenset({"human", "assistant"})  # a turn pair of ms-swift's sharegpt layout (`conversation`)
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
 PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)}|{re.escape(VIDEO_PLACEHOLDER)})")
@@ -68,12 +72,22 @@ class SampleError(Exception):
 
 
 def detect_format(record: Mapping) -> str:
-    """'llava' (`conversations` with from/value) or 'messages' (role/content); SampleError otherwise."""
+    """'llava' (`conversations` with from/value), 'messages' (role/content), 'pairs' (ms-swift's sharegpt:
+    `conversation`, a list of {human, assistant}) or 'alpaca' (instruction/input/output, or ms-swift's
+    query/response); SampleError otherwise."""
     if isinstance(record.get("conversations"), list):
         return "llava"
     if isinstance(record.get("messages"), list):
         return "messages"
-    raise SampleError("unknown_format", f"no 'conversations' or 'messages' list in keys {sorted(record)}")
+    if isinstance(record.get("conversation"), list):
+        return "pairs"
+    if any(record.get(prompt) is not None for prompt, _ in ALPACA_KEYS):
+        return "alpaca"
+    raise SampleError(
+        "unknown_format",
+        f"no 'conversations', 'messages' or 'conversation' list, and no 'instruction' or 'query', in keys "
+        f"{sorted(record)} (docs/data.md lists the record layouts)",
+    )
 
 
 def _malformed(where: str, value, expected: str) -> SampleError:
@@ -216,13 +230,31 @@ def _record_videos(record: Mapping, messages: list[dict]) -> list[dict]:
     return record_videos(record.get("videos", record.get("video")), _count(messages, "video"))
 
 
+def _inline_video(payload) -> list[dict]:
+    return [video_ref(payload)]
+
+
+# Turn roles of tool-calling conversations (LLaMA-Factory's sharegpt, ms-swift's and OpenAI's messages).
+TOOL_ROLES = frozenset({"function_call", "observation", "tool", "function", "tool_call", "tool_response"})
+
+
+def _unknown_role(role, known: list[str]) -> SampleError:
+    if role in TOOL_ROLES:
+        return SampleError(
+            "unknown_format",
+            f"a {role!r} turn (tool calling) is not rendered by this trainer: write tool calls and their results "
+            "into user and assistant turns",
+        )
+    return SampleError("unknown_format", f"turn role {role!r} is not one of {known}")
+
+
 def normalize_llava(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
     messages = []
     for index, turn in enumerate(record["conversations"]):
         turn = _mapping(turn, f"turn {index}", LLAVA_TURN_KEYS)
         role = LLAVA_ROLES.get(_string(turn.get("from"), f"turn {index}'s 'from'").lower())
         if role is None:
-            raise SampleError("unknown_format", f"turn role {turn.get('from')!r} is not one of {sorted(LLAVA_ROLES)}")
+            raise _unknown_role(turn.get("from"), sorted(LLAVA_ROLES))
         messages.append(
             {"role": role, "content": _split_placeholders(_string(turn.get("value"), f"turn {index}'s value"))}
         )
@@ -267,7 +299,7 @@ def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict], list[di
         message = _mapping(message, f"message {index}", MESSAGE_KEYS)
         role = message.get("role")
         if role not in ("system", "user", "assistant"):
-            raise SampleError("unknown_format", f"message role {role!r} is not system/user/assistant")
+            raise _unknown_role(role, ["system", "user", "assistant"])
         items, images, videos = _content_items(message.get("content"), f"message {index}'s content")
         inline_images += images
         inline_videos += videos
@@ -275,19 +307,157 @@ def normalize_messages(record: Mapping) -> tuple[list[dict], list[dict], list[di
     return messages, inline_images or _record_images(record), inline_videos or _record_videos(record, messages)
 
 
+def _history_turns(history, where: str) -> list[dict]:
+    """User and assistant messages of an alpaca-style `history`: a list of [prompt, answer] pairs, oldest first."""
+    if history is None:
+        return []
+    if not isinstance(history, list):
+        raise _malformed(where, history, "a list of [prompt, answer] pairs")
+    messages = []
+    for index, pair in enumerate(history):
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            raise _malformed(f"{where} item {index}", pair, "a [prompt, answer] pair")
+        messages.append({"role": "user", "content": _split_placeholders(_string(pair[0], f"{where} item {index}"))})
+        messages.append(
+            {"role": "assistant", "content": _split_placeholders(_string(pair[1], f"{where} item {index}"))}
+        )
+    return messages
+
+
+def normalize_alpaca(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
+    """One-question records as their frameworks read them: LLaMA-Factory's alpaca layout (`instruction`, then
+    `input` on the next line when set, answered by `output`) or ms-swift's (`query` answered by `response`); both
+    after the turns of `history` ([prompt, answer] pairs)."""
+    prompt_key, answer_key = next(keys for keys in ALPACA_KEYS if record.get(keys[0]) is not None)
+    answer = record.get(answer_key)
+    if isinstance(answer, list):  # LLaMA-Factory's ranking data: [chosen, rejected]
+        raise SampleError(
+            "unknown_format",
+            f"'{answer_key}' is a list (preference data): keep the preferred answer as a string in '{answer_key}'",
+        )
+    parts = [_string(record.get(prompt_key), f"'{prompt_key}'")]
+    if prompt_key == "instruction":
+        parts.append(_string(record.get("input"), "'input'"))
+    messages = _history_turns(record.get("history"), "'history'")
+    messages.append({"role": "user", "content": _split_placeholders("\n".join(part for part in parts if part))})
+    messages.append({"role": "assistant", "content": _split_placeholders(_string(answer, f"'{answer_key}'"))})
+    return messages, _record_images(record), _record_videos(record, messages)
+
+
+def normalize_pairs(record: Mapping) -> tuple[list[dict], list[dict], list[dict]]:
+    """ms-swift's sharegpt layout: `conversation`, a list of {"human": prompt, "assistant": answer} turn pairs."""
+    messages = []
+    for index, pair in enumerate(record["conversation"]):
+        pair = _mapping(pair, f"conversation pair {index}", PAIR_KEYS)
+        for key, role in (("human", "user"), ("assistant", "assistant")):
+            text = _string(pair.get(key), f"conversation pair {index}'s {key!r}")
+            messages.append({"role": role, "content": _split_placeholders(text)})
+    return messages, _record_images(record), _record_videos(record, messages)
+
+
+# Record keys of training kinds other than supervised fine-tuning, and what to change to train on the record here.
+UNSUPPORTED_KEYS = {
+    "chosen": "preference pairs (LLaMA-Factory's chosen/rejected) train a DPO-style objective: keep the chosen answer "
+    "as the assistant turn and drop 'chosen'/'rejected'",
+    "rejected_response": "preference data (ms-swift's rejected_response) trains a DPO-style objective: drop "
+    "'rejected_response' to train on the assistant turn",
+    "kto_tag": "KTO data (LLaMA-Factory's kto_tag): keep the records tagged true and drop 'kto_tag'",
+    "tools": "tool-calling records ('tools') are not rendered by this trainer: drop 'tools' and write the calls and "
+    "their results into the turns' text",
+    "objects": "grounding records (ms-swift's 'objects', <ref-object>/<bbox>) are not expanded here: write each "
+    "object's name and box into the text and drop 'objects'",
+    "audios": "Qwen-VL models take no audio: drop the record's 'audios' (and its <audio> placeholders)",
+}
+
+
+def refuse_unsupported(record: Mapping) -> None:
+    """SampleError (unknown_format) naming what to change when the record carries a training kind this trainer does
+    not train (UNSUPPORTED_KEYS); empty values count as absent, as arrow gives every row each column (and
+    LLaMA-Factory writes no tools as the JSON string "[]")."""
+    for key, change in UNSUPPORTED_KEYS.items():
+        if record.get(key) not in (None, "", "[]", [], {}):
+            raise SampleError("unknown_format", change)
+
+
+def with_system(record: Mapping, messages: list[dict]) -> list[dict]:
+    """The messages behind the record's top-level `system` prompt (LLaMA-Factory's and ms-swift's `system` key),
+    when it has one; a record with both that key and a system turn is refused (which one counts is a guess)."""
+    system = _string(record.get("system"), "'system'")
+    if not system:
+        return messages
+    if any(message["role"] == "system" for message in messages):
+        raise SampleError("malformed_record", "both a 'system' key and a system turn: keep one of them")
+    return [{"role": "system", "content": [_text_item(system)]}, *messages]
+
+
+def _role_content_turns(turns: list) -> bool:
+    """`conversations` written with role/content turns (LLaMA-Factory's sharegpt tags set so), not from/value."""
+    return bool(turns) and isinstance(turns[0], Mapping) and "role" in turns[0] and "from" not in turns[0]
+
+
+def retype_llava_video_placeholders(messages: list[dict], images: list, videos: list) -> None:
+    """LLaVA-OneVision / LLaVA-Video records mark a video with `<image>` (their model takes its frames as images): a
+    record with videos, no image and no `<video>`, and one `<image>` per video, has its `<image>` placeholders read
+    as the videos'."""
+    if images or not videos or _count(messages, "video") or _count(messages, "image") != len(videos):
+        return
+    for message in messages:
+        message["content"] = [{"type": "video"} if item["type"] == "image" else item for item in message["content"]]
+
+
+def add_missing_placeholders(messages: list[dict], images: list, videos: list) -> int:
+    """As LLaMA-Factory's chat engine does: a record with images but no image placeholder anywhere gets one per
+    image in front of its first user turn, and likewise videos (the videos' in front of the images'). Returns the
+    placeholders added (0 when the record has them, or some of them: a partial set stays a counted mismatch)."""
+    first_user = next((message for message in messages if message["role"] == "user"), None)
+    if first_user is None:
+        return 0
+    added = []
+    for kind, refs in (("image", images), ("video", videos)):
+        if refs and not _count(messages, kind):
+            added = [{"type": kind} for _ in refs] + added
+    first_user["content"] = added + first_user["content"]
+    return len(added)
+
+
+class NormalizedRecord(NamedTuple):
+    """A record in canonical form (module docstring) and how many placeholders `add_missing_placeholders` added."""
+
+    messages: list[dict]
+    images: list[dict]
+    videos: list[dict]
+    placeholders_added: int
+
+
 def normalize_record(record: Mapping, data_format: str) -> tuple[list[dict], list[dict], list[dict]]:
-    """(messages, images, videos) of a record; checks placeholders match images and videos and there is an
+    """(messages, images, videos) of a record (`normalized_record`)."""
+    messages, images, videos, _ = normalized_record(record, data_format)
+    return messages, images, videos
+
+
+def normalized_record(record: Mapping, data_format: str) -> NormalizedRecord:
+    """A record's messages, images and videos; checks placeholders match images and videos and there is an
     assistant turn with text.
 
-    `data_format`: 'auto', 'llava' or 'messages'.
+    `data_format`: 'auto', 'llava', 'messages', 'pairs' or 'alpaca'.
     """
+    refuse_unsupported(record)
     layout = detect_format(record) if data_format == "auto" else data_format
-    if layout == "llava" and "conversations" in record:
+    if layout == "llava" and "conversations" in record and _role_content_turns(record["conversations"]):
+        messages, images, videos = normalize_messages({**record, "messages": record["conversations"]})
+    elif layout == "llava" and "conversations" in record:
         messages, images, videos = normalize_llava(record)
+        retype_llava_video_placeholders(messages, images, videos)
     elif layout == "messages" and "messages" in record:
         messages, images, videos = normalize_messages(record)
+    elif layout == "pairs" and "conversation" in record:
+        messages, images, videos = normalize_pairs(record)
+    elif layout == "alpaca" and any(record.get(prompt) is not None for prompt, _ in ALPACA_KEYS):
+        messages, images, videos = normalize_alpaca(record)
     else:
         raise SampleError("unknown_format", f"record is not in {layout!r} format (keys {sorted(record)})")
+    messages = with_system(record, messages)
+    added = add_missing_placeholders(messages, images, videos)
     placeholders = _count(messages, "image")
     if placeholders != len(images):
         raise SampleError("image_count_mismatch", f"{placeholders} image placeholders but {len(images)} images")
@@ -302,7 +472,7 @@ def normalize_record(record: Mapping, data_format: str) -> tuple[list[dict], lis
             raise SampleError("empty_text", f"turn {index} ({message['role']}) is empty")
     if not any(item["type"] == "text" for m in messages if m["role"] == "assistant" for item in m["content"]):
         raise SampleError("empty_text", "no assistant turn has text")
-    return messages, images, videos
+    return NormalizedRecord(messages, images, videos, added)
 
 
 def resolve_ref(ref: Mapping, image_root: str | None) -> dict:

@@ -10,6 +10,7 @@ millisecond; many in flight keep a large image pool from costing minutes).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,10 +19,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pyarrow.compute as pc
 from datasets import Dataset, Features, List, Value
 
+from core.caches import mapped
 from data.processing import SampleProcessor
 
 FILES_COLUMN = "__image_files__"
-LISTING_VERSION = 1  # bump when what `SampleProcessor.image_files` returns changes, to list the records again
+LISTING_VERSION = 2  # bump when what `SampleProcessor.image_files` returns changes, to list the records again
 STAT_THREADS = 16
 PATHS_PER_READ = 4096  # distinct paths turned into Python strings at once
 LISTING_BATCH = 1000  # records per call of the listing map
@@ -44,16 +46,19 @@ def list_files(records: Dataset, sample_processor: SampleProcessor, num_proc: in
     """One row per record: FILES_COLUMN, the files it references (bytes), cached per version of the records,
     their image root and format."""
     key = [records._fingerprint, sample_processor.image_root, sample_processor.data_format, LISTING_VERSION]
-    return records.map(
+    fingerprint = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32]
+    run_map = functools.partial(
+        records.map,
         _FilesOf(sample_processor),
         batched=True,
         batch_size=LISTING_BATCH,
         remove_columns=records.column_names,
         features=Features({FILES_COLUMN: List(Value("binary"))}),
         num_proc=num_proc if num_proc > 1 else None,
-        new_fingerprint=hashlib.sha256(json.dumps(key).encode()).hexdigest()[:32],
+        new_fingerprint=fingerprint,
         desc="listing image files",
     )
+    return mapped(records, fingerprint, run_map, "image-file listing")
 
 
 def file_state(path: bytes) -> bytes:

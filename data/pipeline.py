@@ -35,8 +35,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from transformers import AutoImageProcessor, AutoProcessor, AutoTokenizer, PretrainedConfig
 from transformers.utils import cached_file
 
+from core.caches import mapped
 from core.config_tree import ConfigError
-from core.data_config import DataConfig, PackingConfig, source_data_config, source_names
+from core.data_config import DataConfig, PackingConfig, agreed_pixel_settings, source_data_config, source_names
 from core.families import hf_config
 from data.collate import Collator
 from data.formats import DataError
@@ -60,7 +61,7 @@ from data.tiny_processor import image_only_processor_class, load_or_build_tiny_p
 from data.video import VideoSettings
 
 logger = logging.getLogger(__name__)
-PROCESSING_VERSION = 3  # bump when processing output changes, to invalidate cached datasets
+PROCESSING_VERSION = 4  # bump when processing output changes, to invalidate cached datasets
 # Anchored at the repository, not the working directory: scripts/ and train.py launched from anywhere share it.
 DEFAULT_CACHE_ROOT = str(Path(__file__).resolve().parents[1] / ".cache")
 ROW_INDEX_COLUMN = "__row_index__"
@@ -125,10 +126,23 @@ def load_processor(model_cfg, data_cfg: DataConfig):
         )
 
 
+# The pixel settings an exported processor carries (frame rate and frame cap are the serving engine's request's).
+EXPORTED_PIXEL_KEYS = ("min_pixels", "max_pixels", "video_min_pixels", "video_max_pixels")
+
+
 def processor_for_export(processor, data_cfg: DataConfig):
     """A copy of `processor` whose saved config carries the run's pixel bounds: the image processor's `size` (what
     AutoProcessor, vLLM and SGLang resize by) set to data.min/max_pixels, and a video processor's (when the processor
-    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did."""
+    has one) to the per-frame bounds training used, so an engine that loads the export resizes as training did. A
+    mixture's sources' own bounds count where they all agree; where they differ, the section's, said in one line."""
+    data_cfg, differ = agreed_pixel_settings(data_cfg)
+    differ = {key: values for key, values in differ.items() if key in EXPORTED_PIXEL_KEYS}
+    if differ:
+        logger.warning(
+            "data.sources resize differently (%s): the export's processor resizes by the data section's %s",
+            "; ".join(f"{key}: {values}" for key, values in differ.items()),
+            ", ".join(f"data.{key}={getattr(data_cfg, key)}" for key in differ),
+        )
     exported = copy.deepcopy(processor)
     bounds = image_size_kwargs(exported.image_processor, data_cfg.min_pixels, data_cfg.max_pixels)
     video_bounds = VideoSettings.from_config(data_cfg, processor.image_processor).size_kwargs
@@ -494,8 +508,10 @@ def source_build_lock(cache: str, source_fingerprint: str) -> Iterator[None]:
 
 
 def processed_records(records: Dataset, sample_processor: SampleProcessor, fingerprint: str, num_proc: int) -> Dataset:
-    """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`."""
-    return records.map(
+    """The processed dataset (PROCESSED_FEATURES, one row per record), from the cache when it holds `fingerprint`
+    and reads back (core/caches.py's `mapped`: else computed again, said in one line)."""
+    run_map = functools.partial(
+        records.map,
         sample_processor,
         with_indices=True,
         remove_columns=records.column_names,
@@ -504,6 +520,7 @@ def processed_records(records: Dataset, sample_processor: SampleProcessor, finge
         new_fingerprint=fingerprint,
         desc="processing samples",
     )
+    return mapped(records, fingerprint, run_map, "processed data")
 
 
 def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: DataStats):
@@ -517,6 +534,7 @@ def _split(data_cfg: DataConfig, max_tokens: int, processed: Dataset, stats: Dat
     train_rows, eval_rows = np.flatnonzero(kept & ~held_out), np.flatnonzero(kept & held_out)
     stats.records, stats.kept_train, stats.kept_eval = len(processed), len(train_rows), len(eval_rows)
     stats.train_tokens = int(rows.lengths[train_rows].sum(dtype=np.int64))
+    stats.placeholders_added = int(table.column("placeholders_added").to_numpy().sum())
     return rows, train_rows, eval_rows
 
 
@@ -620,10 +638,13 @@ def _streaming(
                     stats.records += 1
                     stats.kept_eval += item is not None and held_out
                     stats.kept_train += item is not None and not held_out
+                    stats.placeholders_added += row["placeholders_added"]
                 if item is not None and held_out == want_eval:
                     yield item
             if count:
                 counted_epochs.add(epoch)
+                if stats.placeholders_note():
+                    logger.info(stats.placeholders_note())
 
         return items
 
@@ -719,6 +740,8 @@ def build_data(
         logger.log(level, "data: %s (ready in %.1f s)", stats.summary(), time.perf_counter() - started)
         for name, source_stats in stats.sources.items():
             logger.log(level, "data source %s: %s", name, source_stats.summary())
+        if stats.placeholders_note():
+            logger.info(stats.placeholders_note())
     collator = Collator(
         processor.image_processor,
         image_token_id=model_config.image_token_id,

@@ -23,7 +23,15 @@ from datasets import Features, List, Value
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from core.data_config import DataConfig
-from data.formats import DataError, SampleError, load_image, normalize_record, resolve_ref, resolve_video
+from data.formats import (
+    DataError,
+    SampleError,
+    load_image,
+    normalize_record,
+    normalized_record,
+    resolve_ref,
+    resolve_video,
+)
 from data.positions import rope_index_fn
 from data.video import (
     VideoSettings,
@@ -76,6 +84,8 @@ PROCESSED_FEATURES = Features(
         ),
         "length": Value("int32"),  # L
         "num_patches": Value("int32"),  # ViT patches of all images and videos (before the merger)
+        # the record had media but no placeholders, and got them in front of its first user turn (formats.py)
+        "placeholders_added": Value("bool"),
     }
 )
 
@@ -199,9 +209,10 @@ def _storable(text: str) -> str:
 
 def empty_row(**fields) -> dict:
     """A row of PROCESSED_FEATURES with no tokens, image or video (every list column [], every number 0, every text
-    ""), with `fields` set; a field PROCESSED_FEATURES does not have is a KeyError."""
+    "", every flag false), with `fields` set; a field PROCESSED_FEATURES does not have is a KeyError."""
+    blank = {"string": "", "bool": False}
     row = {
-        name: [] if isinstance(feature, List) else "" if feature.dtype == "string" else 0
+        name: [] if isinstance(feature, List) else blank.get(feature.dtype, 0)
         for name, feature in PROCESSED_FEATURES.items()
     }
     unknown = sorted(set(fields) - set(row))
@@ -302,7 +313,7 @@ class SampleProcessor:
         return [ref["path"] for ref in refs if ref["bytes"] is None and ref["path"]]
 
     def process(self, record: Mapping, sample_id: str) -> dict:
-        messages, refs, video_refs = normalize_record(record, self.data_format)
+        messages, refs, video_refs, placeholders_added = normalized_record(record, self.data_format)
         refs = [resolve_ref(ref, self.image_root) for ref in refs]
         images = [load_image(ref) for ref in refs]
         video_refs = [resolve_video(ref, self.image_root) for ref in video_refs]
@@ -366,6 +377,7 @@ class SampleProcessor:
             ],
             "length": len(input_ids),
             "num_patches": sum(t * h * w for t, h, w in grids + video_grids),
+            "placeholders_added": placeholders_added > 0,
         }
 
     def fit_budget(self, visuals: list[Visual]) -> list[Visual]:

@@ -35,6 +35,7 @@ class DataStats:
     skipped: Counter = field(default_factory=Counter)
     skip_examples: dict[str, list[str]] = field(default_factory=dict)
     train_tokens: int = 0  # tokens of the kept training samples (in-memory mode)
+    placeholders_added: int = 0  # records with media and no placeholders, given them (data/formats.py)
     sources: dict[str, DataStats] = field(default_factory=dict)  # a mixture's stats per source name, in order
 
     def skip(self, reason: str, sample_id: str, detail: str) -> None:
@@ -51,12 +52,26 @@ class DataStats:
             f"skipped={sum(self.skipped.values())} ({reasons})"
         )
 
+    def placeholders_note(self) -> str | None:
+        """The one line that says placeholders were added, and to how many records (per source for a mixture)."""
+        if not self.placeholders_added:
+            return None
+        sources = ", ".join(
+            f"{name}: {s.placeholders_added}" for name, s in self.sources.items() if s.placeholders_added
+        )
+        return (
+            f"data: {self.placeholders_added} records have images or videos but no <image> / <video> placeholder"
+            f"{f' ({sources})' if sources else ''}; each got one per image and video in front of its first user "
+            "turn, as LLaMA-Factory does"
+        )
+
     def add(self, other: DataStats) -> None:
         """Count `other`'s records, samples, skips and examples in these stats too (a mixture's total)."""
         self.records += other.records
         self.kept_train += other.kept_train
         self.kept_eval += other.kept_eval
         self.train_tokens += other.train_tokens
+        self.placeholders_added += other.placeholders_added
         self.skipped.update(other.skipped)
         for reason, examples in other.skip_examples.items():
             self.skip_examples.setdefault(reason, []).extend(examples)

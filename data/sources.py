@@ -11,6 +11,7 @@ arrow.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from pathlib import Path
 
 from datasets import Dataset, Image, IterableDataset, List, Video, load_dataset, load_from_disk
 
+from core.caches import built_dataset
 from core.config_tree import ConfigError
 from core.data_config import DataConfig
 from data.formats import DataError
@@ -28,7 +30,7 @@ FILE_BUILDERS = {".parquet": "parquet", ".arrow": "arrow", ".csv": "csv"}
 
 
 UTF8_BOM = b"\xef\xbb\xbf"
-BUILTIN_VERSION = 2  # part of the built-in dataset's directory name: bump when its records change
+BUILTIN_VERSION = 3  # part of the built-in dataset's directory name: bump when its records change
 
 
 def _head(path: str) -> bytes:
@@ -111,6 +113,13 @@ def builtin_path(data_cfg: DataConfig, cache_root: str) -> Path:
     return Path(cache_root) / name / "data.jsonl"
 
 
+def records_dir(cache_root: str, path: str) -> str:
+    """Where a data file's records are converted to arrow (and its listing and processed samples cached next to
+    them): a directory of its own under the cache root, so a damaged conversion is removed whole
+    (core/caches.py's `built_dataset`)."""
+    return os.path.join(cache_root, "records", hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16])
+
+
 def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | IterableDataset, str | None]:
     """(records, image_root): the raw records of `data.path` and where relative image paths resolve."""
     path = os.path.expanduser(data_cfg.path or "builtin")
@@ -138,15 +147,26 @@ def open_records(data_cfg: DataConfig, cache_root: str) -> tuple[Dataset | Itera
         if streaming:
             dataset = IterableDataset.from_generator(_json_records, gen_kwargs=kwargs, features=RECORD_JSON_FEATURES)
         else:
-            dataset = Dataset.from_generator(
-                _json_records, gen_kwargs=kwargs, features=RECORD_JSON_FEATURES, cache_dir=data_cfg.cache_dir
+            directory = records_dir(cache_root, path)
+            build = functools.partial(
+                Dataset.from_generator,
+                _json_records,
+                gen_kwargs=kwargs,
+                features=RECORD_JSON_FEATURES,
+                cache_dir=directory,
             )
+            dataset = built_dataset(build, directory, "records")
     elif local and os.path.isfile(path):
         if suffix not in FILE_BUILDERS:
             raise DataError(f"data.path {path}: unsupported file type {suffix!r}; use json(l), parquet, arrow, csv.")
-        dataset = load_dataset(
-            FILE_BUILDERS[suffix], data_files=path, split="train", streaming=streaming, cache_dir=data_cfg.cache_dir
-        )
+        if streaming:
+            dataset = load_dataset(FILE_BUILDERS[suffix], data_files=path, split="train", streaming=True)
+        else:
+            directory = records_dir(cache_root, path)
+            build = functools.partial(
+                load_dataset, FILE_BUILDERS[suffix], data_files=path, split="train", cache_dir=directory
+            )
+            dataset = built_dataset(build, directory, "records")
     elif local and (Path(path, "state.json").exists() or Path(path, "dataset_dict.json").exists()):
         dataset = load_from_disk(path)
         if not isinstance(dataset, Dataset):

@@ -17,17 +17,17 @@ checks against.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import random
-import shutil
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from PIL import Image, ImageDraw, ImageFont
 
+from core.caches import built_directory
 from core.data_config import EXTRA_IMAGE_KINDS, IMAGE_KINDS, TEXT_KINDS, VIDEO_KINDS
 
 COLORS = {
@@ -311,39 +311,35 @@ def write_builtin_dataset(
     video_share: float = VIDEO_SHARE,
     kinds: Sequence[str] | None = None,
 ) -> Path:
-    """Write the built-in dataset (images/ + data.jsonl) into `directory` unless it is already there.
+    """Write the built-in dataset (images/ + data.jsonl) into `directory` unless it is already there and reads back.
 
-    Returns the path of data.jsonl. Written into a temporary sibling and renamed, so a crash never leaves a
-    half-written dataset that a later run would trust.
+    Returns the path of data.jsonl. Written into a temporary sibling and renamed, with a manifest of its files
+    (core/caches.py), so a crash never leaves a half-written dataset that a later run would trust, and a damaged
+    one is written again.
     """
-    directory = Path(directory)
-    data_file = directory / "data.jsonl"
-    if data_file.exists():
-        return data_file
-    # the host too: on a filesystem shared by nodes, their processes' pids repeat (containers)
-    staging = directory.with_name(directory.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    (staging / "images").mkdir(parents=True)
-    with open(staging / "data.jsonl", "w") as out:
+    directory = built_directory(
+        Path(directory),
+        functools.partial(_write_samples, num_samples=num_samples, seed=seed, video_share=video_share, kinds=kinds),
+        "the built-in dataset",
+    )
+    return directory / "data.jsonl"
+
+
+def _write_samples(directory: Path, num_samples: int, seed: int, video_share: float, kinds) -> None:
+    (directory / "images").mkdir()
+    with open(directory / "data.jsonl", "w") as out:
         for index, sample in enumerate(generate_samples(num_samples, seed, video_share, kinds)):
             paths = []
             for image_index, scene in enumerate(sample.scenes):
                 relative = f"images/{index:06d}_{image_index}.png"
-                draw_scene(scene).save(staging / relative, optimize=False, compress_level=1)
+                draw_scene(scene).save(directory / relative, optimize=False, compress_level=1)
                 paths.append(relative)
             videos = []
             for video_index, frames in enumerate(sample.videos):
                 videos.append([f"images/{index:06d}_v{video_index}_{i}.png" for i in range(len(frames))])
                 for relative, scene in zip(videos[-1], frames, strict=True):
-                    draw_scene(scene).save(staging / relative, optimize=False, compress_level=1)
+                    draw_scene(scene).save(directory / relative, optimize=False, compress_level=1)
             out.write(json.dumps(to_llava_record(index, sample, paths, videos)) + "\n")
-    try:
-        staging.rename(directory)
-    except OSError:  # another process finished first; its copy is identical
-        shutil.rmtree(staging, ignore_errors=True)
-        if not data_file.exists():
-            raise
-    return data_file
 
 
 def corpus_texts(num_samples: int = 4000, seed: int = 1234) -> list[str]:

@@ -8,14 +8,14 @@ frame by frame (data/video.py); the chat template renders them as the Qwen templ
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
-import socket
 from pathlib import Path
 
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoProcessor, PretrainedConfig, PreTrainedTokenizerFast, Qwen2VLImageProcessorPil
 
+from core.caches import built_directory
 from core.families import FAMILIES
 from core.special_tokens import SPECIAL_TOKENS, TINY_VOCAB_SIZE
 from data import image_only_processor
@@ -44,7 +44,7 @@ QWEN_CHAT_TEMPLATE = (
 )
 
 TINY_MIN_TOKENS, TINY_MAX_TOKENS = 16, 256  # LLM tokens per image after the 2x2 merge
-TINY_PROCESSOR_VERSION = 2  # part of the cache directory's name: bump when the template or tokenizer changes
+TINY_PROCESSOR_VERSION = 3  # part of the cache directory's name: bump when the template or tokenizer changes
 
 
 def image_only_processor_class(model_type: str) -> type:
@@ -116,13 +116,13 @@ def tiny_processor_dir(cache_root: str | os.PathLike, model_config: PretrainedCo
     )
 
 
+def _save_tiny_processor(directory: Path, model_config: PretrainedConfig) -> None:
+    build_tiny_processor(model_config).save_pretrained(directory)
+
+
 def load_or_build_tiny_processor(cache_root: str | os.PathLike, model_config: PretrainedConfig):
-    """The cached tiny processor, built and saved first if missing; loaded back through AutoProcessor."""
-    directory = tiny_processor_dir(cache_root, model_config)
-    if not (directory / "processor_config.json").exists():
-        # the host too: on a filesystem shared by nodes, their processes' pids repeat (containers)
-        staging = directory.with_name(directory.name + f".tmp-{socket.gethostname()}-{os.getpid()}")
-        build_tiny_processor(model_config).save_pretrained(staging)
-        with contextlib.suppress(OSError):  # another process saved it first; same content
-            staging.rename(directory)
+    """The cached tiny processor, built and saved first when it is missing or its files do not match their
+    manifest (core/caches.py: rebuilt with one warning line); loaded back through AutoProcessor."""
+    save = functools.partial(_save_tiny_processor, model_config=model_config)
+    directory = built_directory(tiny_processor_dir(cache_root, model_config), save, "the tiny processor")
     return AutoProcessor.from_pretrained(directory)

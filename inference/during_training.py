@@ -38,11 +38,19 @@ TABLE_KEY = "generations"
 
 
 def _source_prompts(data, max_samples: int | None, processor, model_config) -> Iterator[EvalPrompt]:
-    """Prompts of one source's held-out records that are not skipped, in record order."""
+    """Prompts of one source's held-out records that are not skipped, in record order (none when the source holds
+    none out: a mixture's source with eval_fraction 0)."""
+    period = eval_period(data.eval_fraction)
+    if not period:
+        return
     records, image_root = source_records(data, max_samples)
     builder = evaluate.prompt_builder_for(processor, model_config, data, image_root)
-    for index in range(0, len(records), eval_period(data.eval_fraction)):
-        prompt = builder.build(records[index], index)
+    if data.streaming:  # an IterableDataset has no length: its held-out records are every period-th it yields
+        held_out = ((index, record) for index, record in enumerate(records) if index % period == 0)
+    else:
+        held_out = ((index, records[index]) for index in range(0, len(records), period))
+    for index, record in held_out:
+        prompt = builder.build(record, index)
         if prompt.row is not None:
             yield prompt
 

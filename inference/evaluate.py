@@ -54,7 +54,7 @@ def open_eval_records(data: DataConfig, path: str, num_samples: int, image_root:
         settings = builtin_eval_settings(data, num_samples)
     else:
         settings = dataclasses.replace(data, path=path, image_root=image_root, format=data_format or data.format)
-        settings.streaming = False
+    settings.streaming = False  # a run that streamed its data still reads eval records by index
     records, root = open_records(settings, cache_root(settings))
     return records, root, settings
 

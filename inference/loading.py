@@ -32,14 +32,13 @@ from safetensors.torch import load_file
 
 from core.config import Config, load_config
 from core.config_tree import ConfigError
-from core.data_config import DataConfig
+from core.data_config import PIXEL_KEYS, DataConfig, agreed_pixel_settings
 from data.pipeline import load_processor
 from lifecycle.checkpoint import COMPLETE, latest_checkpoint
 from modeling.build import build_model
 from modeling.lora import ADAPTER_DIR, apply_lora
 
 log = logging.getLogger(__name__)
-PIXEL_KEYS = ("min_pixels", "max_pixels", "video_fps", "video_max_frames", "video_min_pixels", "video_max_pixels")
 CHECKPOINT_MODEL_FILE = "model.safetensors"
 CHECKPOINT_SHARDS_DIR = "pytorch_model_fsdp_0"  # accelerate's FSDP SHARDED_STATE_DICT: a DCP dir of {"model": state}
 CHECKPOINT_PREFIX = "model."  # trainer/step.py's TrainModule holds the HF model as `.model`
@@ -65,20 +64,28 @@ def read_run_config(run_dir: Path) -> Config:
 
 
 def data_settings(cfg: Config, overrides: dict[str, Any]) -> DataConfig:
-    """The run's data section with the non-None `overrides` (keys of PIXEL_KEYS); each that differs from training is
-    logged in one line."""
+    """The run's data section (a mixture's pixel and frame settings where its sources agree, core/data_config.py's
+    `agreed_pixel_settings`) with the non-None `overrides` (keys of PIXEL_KEYS); each that differs from training,
+    and each on which the sources differ, is logged in one line."""
     unknown = sorted(set(overrides) - set(PIXEL_KEYS))
     if unknown:
         raise ConfigError(f"not pixel or frame settings: {unknown} (known: {list(PIXEL_KEYS)})")
     changed = {key: value for key, value in overrides.items() if value is not None}
+    trained_settings, differ = agreed_pixel_settings(cfg.data)
+    for key, values in differ.items():
+        if key not in changed:
+            log.warning(
+                "data.sources trained with data.%s %s: new data is resized by the data section's %s (or pass --%s)",
+                key, values, getattr(cfg.data, key), key.replace("_", "-"),
+            )  # fmt: skip
     for key, value in changed.items():
-        trained = getattr(cfg.data, key)
+        trained = getattr(trained_settings, key)
         if value != trained:
             log.warning(
                 "data.%s=%s differs from training's %s: the model sees images resized unlike in training", key, value,
                 trained,
             )  # fmt: skip
-    settings = dataclasses.replace(cfg.data, **changed)
+    settings = dataclasses.replace(trained_settings, **changed)
     settings.validate()
     return settings
 

@@ -199,7 +199,10 @@ def cached_check(
     path, key = cache_path(), environment_key(dims, dtype, device)
     entries = _read(path)
     if key in entries:
-        return CheckResult(**entries[key]), True
+        try:
+            return CheckResult(**entries[key]), True
+        except TypeError as error:  # an entry of another shape: checked again, and replaced
+            log.warning("ignoring unreadable Gated DeltaNet check cache entry in %s (%s)", path, error)
     result = check_delta_rule(candidate, dims, dtype, device)
     entries = _read(path)  # another rank or run may have written meanwhile
     entries[key] = asdict(result)
@@ -209,12 +212,16 @@ def cached_check(
 
 def _read(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        entries = json.loads(path.read_text())
     except FileNotFoundError:
         return {}
-    except (json.JSONDecodeError, OSError) as error:
+    except (json.JSONDecodeError, OSError, UnicodeDecodeError) as error:
         log.warning("ignoring unreadable Gated DeltaNet check cache %s (%s)", path, error)
         return {}
+    if not isinstance(entries, dict):
+        log.warning("ignoring unreadable Gated DeltaNet check cache %s (JSON %s, not an object)", path, type(entries))
+        return {}
+    return entries
 
 
 def _write(path: Path, entries: dict) -> None:

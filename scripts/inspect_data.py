@@ -97,6 +97,8 @@ def main() -> None:
     where = f"data.sources: {len(cfg.data.sources)}" if cfg.data.sources else f"data.path={cfg.data.path or 'builtin'}"
     print(f"{where} streaming={cfg.data.streaming} (built in {built:.1f}s, cached after a first run)")
     print(f"samples: {stats.summary()}")
+    if stats.placeholders_note():
+        print(stats.placeholders_note().removeprefix("data: "))
     for reason, examples in stats.skip_examples.items():
         for example in examples:
             print(f"  skipped {reason}: {example}")

@@ -2,6 +2,7 @@
 subsampling, exact resume, per-source caches, per-source counts in batches and metrics, and the config's errors."""
 
 import itertools
+import logging
 import os
 import re
 
@@ -11,12 +12,14 @@ import torch
 
 from core.config import load_config
 from core.config_tree import ConfigError
-from core.data_config import SourceConfig, source_names
+from core.data_config import DataConfig, SourceConfig, agreed_pixel_settings, source_names
 from core.families import hf_config
-from data.pipeline import build_data, load_processor
+from data.pipeline import build_data, load_processor, processor_for_export
 from data.row_meta import MixtureOrder, RowMeta, quotas
 from data.synthetic import write_builtin_dataset
+from inference import evaluate
 from inference.during_training import held_out_prompts
+from trainer.memory_estimate import largest_max_pixels
 from trainer.metrics import IntervalCounts, source_metrics
 
 SIGMAS = 5.0  # a realised share may stray this many binomial standard deviations from its weight's share
@@ -215,3 +218,95 @@ def test_generation_prompts_come_from_every_source_held_out(tmp_path, sources):
     assert len(prompts) == 6 and {(p.sample_id, bool(p.row["video_grid_thw"])) for p in prompts} <= held
     images = [prompt.sample_id for prompt in prompts if not prompt.row["video_grid_thw"]]
     assert 0 < len(images) < 6  # both sources take turns
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["data.sources=[{path: a.jsonl, eval_fraction: 0}]", "train.eval_every=0", "train.generate_every=5"],
+            "train.generate_every > 0 answers held-out records, but no source of data.sources holds any out "
+            "(data.sources[0].eval_fraction=0)",
+        ),
+        (
+            ["data.sources=[{path: a.jsonl, eval_fraction: 0}, {path: b.jsonl}]", "data.eval_fraction=0"],
+            "train.eval_every > 0 needs a held-out split, but no source of data.sources holds any out "
+            "(data.sources[0].eval_fraction=0, data.sources[1] (data.eval_fraction)=0)",
+        ),
+    ],
+)
+def test_a_mixture_that_holds_nothing_out_is_refused_for_eval_and_generation(overrides, message):
+    """train.eval_every / train.generate_every read held-out records: a mixture whose every source (by its own
+    eval_fraction or the section's) holds none out is one ConfigError naming each source's share, at load."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config("recipes/tiny-qwen2_5_vl.yaml", ["train.eval_every=10", *overrides])
+    assert load_config("recipes/tiny-qwen2_5_vl.yaml", [*overrides, "train.eval_every=0", "train.generate_every=0"])
+
+
+def test_one_source_holding_out_is_enough_for_eval_and_generation():
+    """A source's own eval_fraction counts: data.eval_fraction=0 beside a source holding records out is accepted for
+    train.eval_every and train.generate_every."""
+    cfg = load_config(
+        "recipes/tiny-qwen2_5_vl.yaml",
+        [
+            "data.eval_fraction=0",
+            "data.sources=[{path: a.jsonl}, {path: b.jsonl, eval_fraction: 0.1}]",
+            "train.eval_every=10",
+            "train.generate_every=10",
+        ],
+    )
+    assert [s.eval_fraction for s in cfg.data.sources] == [None, 0.1]
+
+
+def test_generation_skips_a_source_that_holds_nothing_out(tmp_path, sources):
+    """train.generate_every's prompts of a mixture with one source at eval_fraction 0: all from the other source (the
+    source without a held-out split gives none, and does not stop the others)."""
+    spec = f"[{{path: {sources['images']}, eval_fraction: 0}}, {{path: {sources['videos']}, eval_fraction: 0.2}}]"
+    cfg = mixture_cfg(tmp_path, spec, "train.generate_every=1")
+    processor = load_processor(cfg.model, cfg.data)
+    prompts = held_out_prompts(cfg, processor, hf_config(cfg.model), 4)
+    assert len(prompts) == 4 and all(prompt.row["video_grid_thw"] for prompt in prompts)
+
+
+def test_pixel_settings_the_sources_agree_on_reach_the_export_and_generation(caplog):
+    """A mixture's sources that all set the same pixel bound: the export's processor and generation on new data
+    resize by it (not the data section's); a bound they differ on keeps the section's, said in one line naming
+    it; the memory estimate takes the largest bound any source resizes to."""
+    cfg = load_config(
+        "recipes/tiny-qwen2_5_vl.yaml",
+        [
+            "data.max_pixels=50000",
+            "data.sources=[{path: a.jsonl, max_pixels: 20000, video_fps: 1, video_max_pixels: 9000}, "
+            "{path: b.jsonl, max_pixels: 20000}]",
+        ],
+    )
+    settings, differ = agreed_pixel_settings(cfg.data)
+    assert settings.max_pixels == 20000 and settings.video_fps == cfg.data.video_fps
+    assert differ == {"video_fps": [1.0, cfg.data.video_fps], "video_max_pixels": [9000, None]}
+    processor = load_processor(cfg.model, cfg.data)
+    with caplog.at_level(logging.WARNING, logger="data.pipeline"):
+        exported = processor_for_export(processor, cfg.data)
+    assert exported.image_processor.size["longest_edge"] == 20000
+    lines = [r.getMessage() for r in caplog.records if "resize differently" in r.getMessage()]
+    assert len(lines) == 1 and "video_max_pixels: [9000, None]" in lines[0] and "video_fps" not in lines[0]
+    assert largest_max_pixels(cfg.data) == 20000
+    wider = load_config("recipes/tiny-qwen2_5_vl.yaml", ["data.sources=[{path: a, max_pixels: 90000}, {path: b}]"])
+    assert largest_max_pixels(wider.data) is None  # the second source keeps the data's own sizes
+
+
+def test_generation_reads_the_held_out_records_of_a_streamed_run(tmp_path, sources):
+    """train.generate_every with data.streaming=true (records without a length): the held-out prompts are those of
+    the same data read in memory; scripts.generate's built-in set of a streamed run is read by index too."""
+    prompts = {}
+    for streaming in ("true", "false"):
+        cfg = load_config(
+            "recipes/tiny-qwen2_5_vl.yaml",
+            [f"data.cache_dir={tmp_path}", f"data.path={sources['mixed']}", f"data.streaming={streaming}",
+             "data.eval_fraction=0.2", "train.generate_every=1"],
+        )  # fmt: skip
+        processor = load_processor(cfg.model, cfg.data)
+        prompts[streaming] = [p.sample_id for p in held_out_prompts(cfg, processor, hf_config(cfg.model), 3)]
+    assert len(prompts["true"]) == 3 and prompts["true"] == prompts["false"]
+    streamed = DataConfig(streaming=True, cache_dir=str(tmp_path))
+    records, _, settings = evaluate.open_eval_records(streamed, "builtin", 4, None, None)
+    assert len(records) == 4 and not settings.streaming

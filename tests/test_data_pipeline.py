@@ -25,6 +25,7 @@ from data.formats import DataError
 from data.packing import Leftover, PackItem
 from data.pipeline import STEP_VISION, StepLoader, build_data, load_processor
 from data.processing import IGNORE_INDEX, PROCESSED_FEATURES, empty_row
+from data.sources import builtin_path
 from data.synthetic import write_builtin_dataset
 from modeling import vision_plan
 from modeling.build import build_model
@@ -87,7 +88,7 @@ def test_labels_cover_exactly_the_assistant_replies(cache):
     """Trained tokens are the assistant replies with their closing <|im_end|>, nothing from system/user turns."""
     cfg = recipe("tiny-qwen2_5_vl", cache, "data.num_samples=30")
     train, _, _, processor, _ = build(cfg)
-    records = {r["id"]: r for r in map(json.loads, (cache / "builtin-v2-0-30-video0.2" / "data.jsonl").open())}
+    records = {r["id"]: r for r in map(json.loads, builtin_path(cfg.data, str(cache)).open())}
     for row in epoch_rows(train):
         replies = [t["value"] for t in records[row["sample_id"]]["conversations"] if t["from"] == "gpt"]
         trained = [token for token in row["labels"] if token != IGNORE_INDEX]

@@ -75,6 +75,7 @@ EMPTY_ROW = {name: [] for name in PROCESSED_FEATURES} | {
     "skip_detail": "",
     "length": 0,
     "num_patches": 0,
+    "placeholders_added": False,
 }
 
 

@@ -6,6 +6,7 @@ refusal flag by a fake module, so every branch of `resolve_backend` runs here.
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 import types
@@ -166,13 +167,23 @@ def test_model_on_fla_logs_the_backend_and_its_first_run_cost(guarded_gpu, caplo
     assert len(lines) == 2 and "fla backend" in lines[0] and lines[1] == gated_delta.FLA_FIRST_RUN_NOTE
 
 
-def test_unreadable_cache_is_ignored(guarded_gpu, tmp_path):
-    """A torn or corrupt cache file costs one re-check, never a crash."""
+@pytest.mark.parametrize("damage", ["torn", "not an object", "not UTF-8", "an entry of another shape"])
+def test_unreadable_cache_is_ignored(guarded_gpu, tmp_path, damage):
+    """A torn or corrupt cache file, or an entry of another shape, costs one re-check, never a crash; the re-check
+    is remembered in its place."""
     path = tmp_path / "qwen-vl-packed-train" / "gated_delta_check.json"
     path.parent.mkdir(parents=True)
-    path.write_text("{not json")
+    key = gated_delta_check.environment_key(DIMS, torch.bfloat16, torch.device("cpu"))
+    contents = {
+        "torn": b"{not json",
+        "not an object": b"[1, 2]",
+        "not UTF-8": b"\xff\xfe{",
+        "an entry of another shape": json.dumps({key: {"errors": {}}}).encode(),
+    }
+    path.write_bytes(contents[damage])
     guarded_gpu["use"](torch_delta_rule_per_sample)
-    assert gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).backend == "fla"
+    assert "checked now" in gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).reason
+    assert "cached" in gated_delta.resolve_backend("auto", {DIMS}, torch.bfloat16).reason
     assert "checked now" in gated_delta.resolve_backend("auto", {DIMS}, torch.float16).reason
 
 

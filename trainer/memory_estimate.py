@@ -49,9 +49,10 @@ the peak. The checkpointed blocks are the first of each stack (modeling/parts.py
 the allocator and runtime margins and is what must fit the device.
 
 T is `packing.max_tokens` / `parallel.context` (packed; `padded_batch_size` x max_tokens padded). P is T x merge² x
-the vision share of a pack: an image of `data.max_pixels` is `max_pixels / (patch x merge)²` LLM tokens, and a sample
-carries TEXT_TOKENS_PER_IMAGE text tokens beside it; with max_pixels null (the data's own sizes) a pack may be all
-image tokens, share 1. A 16k-token pack of 256-1024-token images: ~59k patches (the built-in data measure ~56k).
+the vision share of a pack: an image of `data.max_pixels` (a mixture's largest) is `max_pixels / (patch x merge)²`
+LLM tokens, and a sample carries TEXT_TOKENS_PER_IMAGE text tokens beside it; with max_pixels null (the data's own
+sizes) a pack may be all image tokens, share 1. A 16k-token pack of 256-1024-token images: ~59k patches (the
+built-in data measure ~56k).
 """
 
 from __future__ import annotations
@@ -66,6 +67,7 @@ import torch
 from torch import nn
 
 from core.config import Config, ModelConfig
+from core.data_config import source_data_config
 from core.families import hf_config, model_class
 from modeling import parts
 from modeling.master_weights import cast_param_ids
@@ -356,13 +358,22 @@ def stack_blocks(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     return list(inner.language_model.layers), list(inner.visual.blocks)
 
 
+def largest_max_pixels(data_cfg) -> int | None:
+    """The largest image bound any source resizes to (a mixture's sources may set their own max_pixels); None when
+    one keeps the data's own sizes."""
+    sources = [source_data_config(data_cfg, source) for source in data_cfg.sources or ()] or [data_cfg]
+    bounds = [source.max_pixels for source in sources]
+    return None if None in bounds else max(bounds)
+
+
 def vision_patches_per_pack(cfg: Config, tokens: int, vision_config) -> int:
     """ViT patches in a pack of `tokens` LLM tokens (module docstring): tokens x merge² x the vision share."""
     merge = vision_config.spatial_merge_size
-    if cfg.data.max_pixels is None:
+    max_pixels = largest_max_pixels(cfg.data)
+    if max_pixels is None:
         share = 1.0
     else:
-        image_tokens = max(1.0, cfg.data.max_pixels / (vision_config.patch_size * merge) ** 2)
+        image_tokens = max(1.0, max_pixels / (vision_config.patch_size * merge) ** 2)
         share = image_tokens / (image_tokens + TEXT_TOKENS_PER_IMAGE)
     return int(tokens * share * merge**2)
 
