@@ -105,7 +105,14 @@ def build_training(cfg: Config, accelerator: Accelerator) -> TrainingSetup:
         model, cfg.kernels.gated_delta, getattr(torch, cfg.model.dtype), attention_engine=cfg.kernels.attention
     )
     if accelerator.device.type == "cuda":
-        log.info("attention: %s", attention_engines.describe(cfg.kernels.attention, parts.attention_head_dims(model)))
+        head_dims = parts.attention_head_dims(model)
+        # context parallelism's text attention (a query chunk against its key prefix) runs on fa2 alone
+        text_engine = "fa2" if cp.context_size > 1 else cfg.kernels.attention
+        log.info(
+            "attention: %s; %s",
+            attention_engines.describe(text_engine, {"text": head_dims["text"]}),
+            attention_engines.describe(cfg.kernels.attention, {"vision": head_dims["vision"]}),
+        )
     if cp.context_size > 1:
         group = context_parallel.new_context_group(accelerator.num_processes, cp.context_size)
         context_parallel.enable_context_parallel(model, group, PACK_KWARG)
