@@ -80,6 +80,42 @@ def test_data_config_stays_below_the_recipe_schema():
     assert not synthetic, sorted(synthetic)
 
 
+def first_party_modules() -> list[str]:
+    """Dotted names of train.py and of every module of the first-party packages."""
+    packages = sorted(FIRST_PARTY - {"train"})
+    return [
+        "train",
+        *(f"{package}.{path.stem}" for package in packages for path in sorted((ROOT / package).glob("*.py"))),
+    ]
+
+
+# Imports each module named after the code, then prints the root logger's handlers and level, or the first module
+# after whose import the root logger has a handler
+IMPORT_AND_REPORT_ROOT_LOGGER = """
+import importlib, logging, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if logging.root.handlers:
+        break
+print(name, logging.root.handlers, logging.getLevelName(logging.root.level))
+"""
+
+
+def test_no_module_configures_logging_when_imported():
+    """Importing train.py and every first-party module, scripts included, leaves the root logger as Python starts it:
+    no handler, level WARNING. A handler added on import (rouge-score logs through absl when its scorer is built
+    without a tokenizer, and that first call configures the root logger) turns train.py's logging.basicConfig into a
+    no-op, and the run's log goes silent."""
+    import subprocess
+    import sys
+
+    names = first_party_modules()
+    command = [sys.executable, "-c", IMPORT_AND_REPORT_ROOT_LOGGER, *names]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == f"{names[-1]} [] WARNING", result.stdout
+
+
 @pytest.mark.parametrize("package", sorted(ALLOWED))
 def test_package_folders_stay_small(package):
     """No package folder holds more modules than a reader takes in at once (training/ held 30 side by side)."""
