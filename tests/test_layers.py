@@ -2,11 +2,12 @@
 model room (modeling) on those, the run's lifecycle on the model room, inference (generation and scores) and the
 trainer on both, verification on the trainer, scripts and train.py on top. train.py hands the training loop its
 generation evaluation, so the trainer never imports inference. Every import counts, module-level or inside a
-function."""
+function. docs/architecture.md states the same rules, and its claims are held to the code here too."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,65 @@ def test_no_module_configures_logging_when_imported():
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == f"{names[-1]} [] WARNING", result.stdout
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ROOM_ROW = re.compile(r"^\| `(\w+)/` \| (.+) \|$", re.MULTILINE)
+UPWARD_LINE = re.compile(r"^Upward imports, each by its module: (.+)$", re.MULTILINE)
+NAMED_IMPORT = re.compile(r"`([\w/]+\.py)`\s+imports\s+`([\w.]+)`")
+# "`data/config.py` imports only `core.config_tree` and `data.synthetic`", "`x.py` imports nothing first-party"
+IMPORTS_ONLY = re.compile(
+    r"`([\w/]+\.py)`\s+imports\s+(only\s+((?:`[\w.]+`(?:,\s+|\s+and\s+)?)+)|nothing\s+first-party)"
+)
+
+
+def layers_section() -> str:
+    """docs/architecture.md's "## Layers" section."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("## Layers\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def first_party_imports(relative: str) -> set[str]:
+    return {name for name in imported_modules(ROOT / relative) if name.split(".")[0] in FIRST_PARTY}
+
+
+def test_architecture_states_the_rules_the_code_keeps():
+    """docs/architecture.md's table of what each room may import is ALLOWED, room by room (which every import of
+    the code keeps: test_package_imports_only_lower_layers), and its upward imports are ALLOWED_MODULES, each still
+    made by its module: the page cannot promise a layering the code does not have."""
+    section = layers_section()
+    rooms = {}
+    for room, cell in ROOM_ROW.findall(section):
+        rooms[room] = {room} | (set() if cell == "nothing first-party" else set(re.findall(r"`(\w+)`", cell)))
+    assert rooms == ALLOWED
+    line = UPWARD_LINE.search(section)
+    assert line, "the Layers section lists no upward imports (write 'Upward imports, each by its module: none.')"
+    claimed: dict[str, set[str]] = {}
+    for module, name in NAMED_IMPORT.findall(line.group(1)):
+        claimed.setdefault(module, set()).add(name)
+    assert claimed == ALLOWED_MODULES
+    assert all(names <= first_party_imports(module) for module, names in claimed.items())
+
+
+def test_architecture_drawing_shows_every_room_once():
+    """The Layers drawing shows train.py, scripts/ and each room of ALLOWED exactly once, as a label (a name after two
+    spaces: the drawing's columns; a description may name a room after one)."""
+    section = layers_section()
+    drawing = section[section.index("```") : section.index("```", section.index("```") + 3)]
+    for room in ["train.py", "scripts/", *(f"{package}/" for package in ALLOWED)]:
+        found = re.findall(rf"(?<=\s\s){re.escape(room)}(?=\s)", drawing)
+        assert len(found) == 1, f"{room} appears {len(found)} times in the drawing"
+
+
+def test_architecture_imports_only_claims_hold():
+    """Each "`<module>` imports only `<a>` and `<b>`" and "`<module>` imports nothing first-party" in
+    docs/architecture.md names exactly that module's first-party imports."""
+    claims = IMPORTS_ONLY.findall(ARCHITECTURE.read_text())
+    assert claims, "docs/architecture.md makes no imports-only claim to check"
+    for module, _, names in claims:
+        assert first_party_imports(module) == set(re.findall(r"`([\w.]+)`", names)), module
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))
