@@ -23,15 +23,19 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from core import distributed
+# Only what reads the command line and the recipe is imported here; torch, transformers and accelerate come once the
+# config is valid (in main), so --help and a recipe mistake answer in about a second, and the scoring libraries
+# only in a run that generates.
 from core.config import load_config
 from core.config_tree import ConfigError
 from data.formats import DataError
-from inference.during_training import GenerationEval
-from lifecycle import checkpoint, preemption, resume, run_files, run_lock, stack_dump, trusted_resume
-from trainer import defaults, loop, memory_check, metrics, optim, tracking
-from trainer.setup import build_accelerator, build_training
+from lifecycle import preemption, resume, run_files, run_lock, stack_dump
+
+if TYPE_CHECKING:
+    from lifecycle import checkpoint
+    from trainer import metrics
 
 log = logging.getLogger("train")
 
@@ -46,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="with --resume: use settings that differ from the run's config.yaml even where that breaks exactness",
     )
     parser.add_argument(
-        trusted_resume.ALLOW_WORLD_SIZE_FLAG,
+        resume.ALLOW_WORLD_SIZE_FLAG,
         action="store_true",
         help="with --resume: continue a checkpoint saved by another number of processes (not bit-exact)",
     )
@@ -69,6 +73,8 @@ def prepare_run_dir(cfg) -> Path:
 def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tuple[int, metrics.TimedTotals]:
     """Load the checkpoint into the prepared objects; (its step, the run's timed totals so far). The optimizer keeps
     the config's hyperparameters, not the checkpoint's (they differ only with --allow-config-change)."""
+    from trainer import metrics, optim
+
     configured = optim.config_hyperparameters(setup.optimizer)
     step, state = checkpointer.load(directory)
     optim.reapply_hyperparameters(setup.optimizer, setup.scheduler, configured)
@@ -80,6 +86,10 @@ def restore(setup, checkpointer: checkpoint.Checkpointer, directory: Path) -> tu
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides + (["checkpoint.resume=latest"] if args.resume else []))
+    from core import distributed
+    from trainer import defaults, memory_check, tracking
+    from trainer.setup import build_accelerator
+
     with preemption.SignalWatch(cfg.checkpoint.preempt_timeout_s) as signals:
         accelerator = build_accelerator(cfg, log_with=tracking.log_with(cfg))
         level = logging.INFO if accelerator.is_main_process else logging.WARNING
@@ -113,6 +123,8 @@ def forced_exit(lock: run_lock.RunLock, run_dir: Path, signal_name: str | None, 
 
 def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason: str) -> None:
     """preempted.json: how this launch stopped on a signal, and the checkpoint a relaunch resumes from."""
+    from lifecycle import checkpoint
+
     latest = checkpoint.latest_checkpoint(run_dir)
     record = {"signal": signal_name, "reason": reason, "step": step, "checkpoint": str(latest) if latest else None}
     run_files.write_preempted(run_dir, {**record, "exit_status": preemption.EXIT_STATUS})
@@ -120,6 +132,11 @@ def record_stop(run_dir: Path, signal_name: str | None, step: int | None, reason
 
 def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.SignalWatch) -> dict:
     """The run in a locked run directory: resume → loop → export → summary; returns the summary."""
+    from core import distributed
+    from lifecycle import checkpoint, trusted_resume
+    from trainer import loop, metrics, tracking
+    from trainer.setup import build_training
+
     # before anything is loaded: saved by as many processes (or allowed not to be), its files as recorded
     resume_from = trusted_resume.choose(
         cfg.checkpoint.resume, run_dir, host, accelerator.process_index, args.allow_world_size_change
@@ -149,6 +166,8 @@ def train_run(args, cfg, accelerator, host, run_dir: Path, signals: preemption.S
         stop = lambda: host.any(signals.requested)
         generation_eval = None
         if cfg.train.generate_every:
+            from inference.during_training import GenerationEval
+
             generation_eval = GenerationEval.build(cfg, accelerator, setup.module, setup.processor, run_dir)
         timed = loop.train(cfg, accelerator, setup, checkpointer, start_step, timed, stop, generation_eval)
     if cfg.checkpoint.export and (trains or needs_export):  # needs_export alone: a kill interrupted the last one
@@ -180,20 +199,28 @@ def cli(argv: list[str] | None = None) -> int | str:
         return f"config error: {error}"
     except DataError as error:
         return f"data error: {error}"
-    except (
-        loop.NonFiniteError,
-        distributed.LaunchError,
-        run_lock.RunLockError,
-        checkpoint.WriteError,
-        trusted_resume.CheckpointError,
-    ) as error:
-        return f"error: {error}"
-    except memory_check.MemoryFitError as error:
-        return f"error: {error}" if str(error) else 1
     except preemption.Preempted as stop:
         print(f"preempted: {stop}", file=sys.stderr)
         return preemption.EXIT_STATUS
+    except Exception as error:
+        if not isinstance(error, one_line_errors()):
+            raise
+        return f"error: {error}" if str(error) else 1  # empty: a memory refusal off the main process, said there
     return 0
+
+
+def one_line_errors() -> tuple[type[Exception], ...]:
+    """The errors whose message alone says what to do. Their modules are imported when an exception reaches cli, not
+    before: --help and a ConfigError or DataError end without them, and any later error comes after main imported
+    them."""
+    from core.distributed import LaunchError
+    from lifecycle.checkpoint import WriteError
+    from lifecycle.run_lock import RunLockError
+    from lifecycle.trusted_resume import CheckpointError
+    from trainer.loop import NonFiniteError
+    from trainer.memory_check import MemoryFitError
+
+    return NonFiniteError, LaunchError, RunLockError, WriteError, CheckpointError, MemoryFitError
 
 
 if __name__ == "__main__":

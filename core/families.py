@@ -11,12 +11,13 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-
-import transformers
-from transformers import AutoConfig, PretrainedConfig
+from typing import TYPE_CHECKING
 
 from core.config_tree import ConfigError, deep_merge
 from core.special_tokens import TINY_CONFIG_TOKEN_IDS, TINY_TEXT_CONFIG_TOKEN_IDS
+
+if TYPE_CHECKING:  # transformers is imported where a config is built: reading and validating a recipe needs none of it
+    from transformers import PretrainedConfig
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 BASE_KEY = "base"  # a model.config mapping's key naming the JSON file its other keys are merged over
@@ -200,6 +201,8 @@ def hf_config(model_cfg) -> PretrainedConfig:
 
 
 def _from_dict(raw: dict) -> PretrainedConfig:
+    from transformers import AutoConfig
+
     raw = dict(raw)
     return AutoConfig.for_model(raw.pop("model_type"), **raw)
 
@@ -223,6 +226,8 @@ def _pretrained_config(source: str) -> PretrainedConfig:
     local = source.startswith(("/", "./", "../", "~")) or os.path.isabs(source)
     if local and not os.path.isdir(os.path.expanduser(source)):
         raise ConfigError(f"model.name_or_path={source} is not a directory (a Hub id is 'owner/name').")
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(os.path.expanduser(source))
     except (OSError, ValueError) as error:
@@ -232,10 +237,13 @@ def _pretrained_config(source: str) -> PretrainedConfig:
 
 def model_class(config: PretrainedConfig) -> type:
     """The *ForConditionalGeneration class of a config (e.g. Qwen2_5_VLForConditionalGeneration)."""
+    import transformers
+
     return getattr(transformers, config.architectures[0]) if config.architectures else _class_for_type(config)
 
 
 def _class_for_type(config: PretrainedConfig) -> type:
+    import transformers
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
     return getattr(transformers, MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[config.model_type])

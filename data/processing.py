@@ -180,8 +180,9 @@ def fit_visuals(visuals: list[Visual], budget: int, factor: int, temporal_patch_
     2. then every image and video frame shrinks by one common pixel factor, the largest that fits: each size comes from
        the image processor's own rule (transformers' `smart_resize`: aspect ratio kept, sides multiples of
        patch × merge), called with lowered pixel bounds, which the collator passes to the image processor in turn.
-    A sample whose smallest form (one temporal patch per video, one merge window per image or frame) is still over the
-    budget cannot fit: `fit_visuals` returns None and the sample is a counted skip (`visual_tokens_over_budget`).
+    A sample whose smallest form (one temporal patch per video; each image or frame under a pixel cap of one merge
+    window, which smart_resize makes one window, or a few for a long thin or tiny one) is still over the budget cannot
+    fit: `fit_visuals` returns None and the sample is a counted skip (`visual_tokens_over_budget`).
     """
 
     def fits(candidate: list[Visual]) -> bool:

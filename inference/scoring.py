@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 
 import sacrebleu
-from rouge_score import rouge_scorer
+from rouge_score import rouge_scorer, tokenizers
 
 METRICS = ("exact_match", "relaxed_accuracy", "anls", "rouge_l", "bleu")
 RELAXED_TOLERANCE = 0.05
@@ -32,7 +32,9 @@ ANLS_THRESHOLD = 0.5
 UNCATEGORIZED = "(none)"
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = str.maketrans("", "", string.punctuation)
-_ROUGE = rouge_scorer.RougeScorer(["rougeL"])
+# rouge-score's own default tokenizer, passed explicitly: built without one, the scorer logs that it uses the default
+# through absl, and that first log call gives the root logger a handler, which silences train.py's logging.basicConfig
+_ROUGE = rouge_scorer.RougeScorer(["rougeL"], tokenizer=tokenizers.DefaultTokenizer(use_stemmer=False))
 
 
 def normalize_answer(text: str) -> str:

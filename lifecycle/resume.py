@@ -19,6 +19,9 @@ from core.config_tree import ConfigError
 
 log = logging.getLogger(__name__)
 ALLOW_FLAG = "--allow-config-change"
+# the other flag of --resume, read by lifecycle/trusted_resume.py; declared here, where train.py's argument parser reads
+# it without importing the checkpoint code
+ALLOW_WORLD_SIZE_FLAG = "--allow-world-size-change"
 # Keys whose change leaves every step's math as it was: where the run writes and logs, how often it checkpoints or
 # evaluates (train.generate_*: greedy answers draw no random numbers), how far it goes (train.max_steps: the schedule
 # then stretches to the new end), how data is fetched, what is recomputed or compiled (train.compile: the same math,

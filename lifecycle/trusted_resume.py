@@ -20,9 +20,9 @@ from pathlib import Path
 from core.distributed import HostCollectives
 from lifecycle import checkpoint_manifest
 from lifecycle.checkpoint import COMPLETE, checkpoint_dirs
+from lifecycle.resume import ALLOW_WORLD_SIZE_FLAG
 
 log = logging.getLogger(__name__)
-ALLOW_WORLD_SIZE_FLAG = "--allow-world-size-change"
 DAMAGED_SUFFIX = ".damaged"
 
 

@@ -62,7 +62,6 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 from modeling import gated_delta
-from modeling.eager_reductions import lower_norm_reductions
 from modeling.packed import PACK_KWARG
 from modeling.parts import inner_model
 
@@ -112,6 +111,9 @@ def compile_blocks(model: nn.Module, backend: str | Callable = "inductor") -> Co
     recompile limit to RECOMPILE_LIMIT and makes hitting it an error. Raises ValueError if the model is already
     compiled, has no such blocks, or a block already has a forward of its own. Undo with `uncompile_blocks(model)`.
     """
+    # inductor's lowering tables (most of a second to import): loaded by a run that compiles, not by every run
+    from modeling.eager_reductions import lower_norm_reductions
+
     if getattr(model, _STATE_ATTR, None) is not None:
         raise ValueError("this model's blocks are already compiled.")
     inner = inner_model(model)

@@ -53,6 +53,20 @@ log = logging.getLogger(__name__)
 STATE_NAME = "custom_checkpoint_0.pkl"  # accelerate's file for the first object registered for checkpointing
 
 
+def auto_mode(model_dtype: str, fsdp: bool, num_processes: int, on_cuda: bool) -> tuple[str, str]:
+    """train.master_weights=auto for a launch of `num_processes` processes (under FSDP2 or not) on CUDA or not, and
+    why (trainer/defaults.py resolves it at launch; trainer/memory_estimate.py before any process starts)."""
+    if fsdp:
+        return "module", "FSDP2 computes in bf16 on fp32 masters itself"
+    if num_processes > 1:
+        return "module", "DDP would reduce bf16 gradients in bf16"
+    if not on_cuda:
+        return "module", "no CUDA"
+    if model_dtype != "bfloat16":
+        return "module", f"model.dtype={model_dtype}"
+    return "optimizer", "one CUDA process, bfloat16"
+
+
 def enabled(cfg: Config, accelerator: Accelerator) -> bool:
     """Whether this run keeps its masters in the optimizer: `train.master_weights == "optimizer"` on one process
     with a 16-bit `model.dtype`. A no-op, said in the log, for float32 (the weights are the masters) and under

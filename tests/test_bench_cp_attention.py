@@ -108,8 +108,18 @@ def test_table_has_a_row_per_result_and_the_failures_and_notes_below():
     assert "  torch_cp_alltoall failed: NotImplementedError: no CPU op" in lines
 
 
+# How torch's context_parallel fails on the CPU (torch 2.11): it has no sharding rule for the CPU attention kernel
+TORCH_CP_WITHOUT_CPU_KERNEL = (
+    "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default does not have a sharding "
+    "strategy registered."
+)
+
+
 @pytest.mark.slow
 def test_two_process_gloo_run_matches_the_reference_and_records_failures(tmp_path):
+    """Two gloo processes: our all-gather engine matches the one-process reference in the output and every gradient;
+    torch's ring engines either match it too or fail as torch does on the CPU (no sharding rule for its attention
+    kernel), recorded in their rows while the run goes on; any other failure fails the test."""
     out = tmp_path / "cp.json"
     command = [
         sys.executable,
@@ -142,9 +152,12 @@ def test_two_process_gloo_run_matches_the_reference_and_records_failures(tmp_pat
         assert ours["notes"]["layout_is_zigzag"] is True
         for stats in (ours["fwd_ms"], ours["fwd_bwd_ms"]):
             assert stats["repeats"] == 2 and 0 < stats["min"] <= stats["median"] <= stats["max"]
-        for engine in ("torch_cp_allgather", "torch_cp_alltoall"):  # no CPU kernel for torch's ring: recorded
+        for engine in ("torch_cp_allgather", "torch_cp_alltoall"):
             row = rows[length, engine]
-            assert "error" in row or max(row["max_abs_diff"].values()) < 1e-5, row
+            if "error" in row:  # torch's ring shards no CPU attention kernel: that failure alone is recorded and passes
+                assert row["error"].startswith(TORCH_CP_WITHOUT_CPU_KERNEL), row["error"]
+            else:
+                assert max(row["max_abs_diff"].values()) < 1e-5, row
     assert "ours_allgather_kv" in output and f"wrote {out}" in output
 
 

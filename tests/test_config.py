@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -139,3 +140,41 @@ def test_train_py_prints_a_bad_recipe_and_a_bad_override_as_one_line(tmp_path):
     message = train.cli(["--config", SMOKE, "train.lr=[1,"])
     assert isinstance(message, str) and "\n" not in message
     assert message.startswith("config error: override 'train.lr=[1,' is not a valid YAML value: ")
+
+
+# What `train.py --help` and a recipe mistake must not wait for: each of these takes seconds to import on two cores
+HEAVY_LIBRARIES = ("torch", "transformers", "accelerate", "datasets")
+# train.py run as a user runs it (as __main__, arguments after the code), then which of `names` it imported, on one
+# stderr line "imported: ..."
+LAUNCH_REPORTING_IMPORTS = (
+    "import runpy, sys\n"
+    "sys.argv = ['train.py', *sys.argv[1:]]\n"
+    "try:\n"
+    "    runpy.run_path('train.py', run_name='__main__')\n"
+    "finally:\n"
+    "    print('imported:', *sorted(name for name in {names!r} if name in sys.modules), file=sys.stderr)\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "answer"),
+    [
+        (["--help"], 0, "usage: train.py"),
+        (["--config", SMOKE, "trian.max_steps=3"], 1, "config error: unknown key 'trian'. Did you mean 'train'?"),
+        (["--config", "{typo}"], 1, "config error: unknown key 'train.max_step'. Did you mean 'train.max_steps'?"),
+    ],
+    ids=["help", "override-typo", "recipe-typo"],
+)
+def test_help_and_a_recipe_mistake_answer_before_the_heavy_imports(args, status, answer, tmp_path):
+    """train.py run as a user runs it answers --help, a mistyped override and a mistyped recipe key (the config read
+    and validated) without importing torch, transformers, accelerate or datasets: what keeps each answer at about a
+    second (docs/performance.md)."""
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text((Path(train.__file__).parent / SMOKE).read_text().replace("  max_steps: 300", "  max_step: 300"))
+    args = [arg.format(typo=recipe) for arg in args]
+    child = LAUNCH_REPORTING_IMPORTS.format(names=HEAVY_LIBRARIES)
+    root = Path(train.__file__).parent
+    result = subprocess.run([sys.executable, "-c", child, *args], cwd=root, capture_output=True, text=True, timeout=120)
+    assert result.returncode == status, result.stderr
+    assert answer in result.stdout + result.stderr
+    assert [line for line in result.stderr.splitlines() if line.startswith("imported:")] == ["imported:"], result.stderr

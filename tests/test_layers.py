@@ -2,11 +2,13 @@
 model room (modeling) on those, the run's lifecycle on the model room, inference (generation and scores) and the
 trainer on both, verification on the trainer, scripts and train.py on top. train.py hands the training loop its
 generation evaluation, so the trainer never imports inference. Every import counts, module-level or inside a
-function; no package has an exception, and no module imports itself back through others (no loop)."""
+function; no package has an exception, and no module imports itself back through others (no loop).
+docs/architecture.md states the same rules, and its claims are held to the code here too."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -131,6 +133,88 @@ def test_no_module_imports_itself_back():
     modules = first_party_modules()
     graph = {name: module_imports(path, modules) - {name} for name, path in modules.items()}
     assert not import_loops(graph)
+
+
+# Imports each module named after the code, then prints the root logger's handlers and level, or the first module
+# after whose import the root logger has a handler
+IMPORT_AND_REPORT_ROOT_LOGGER = """
+import importlib, logging, sys
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+    if logging.root.handlers:
+        break
+print(name, logging.root.handlers, logging.getLevelName(logging.root.level))
+"""
+
+
+def test_no_module_configures_logging_when_imported():
+    """Importing train.py and every first-party module, scripts included, leaves the root logger as Python starts it:
+    no handler, level WARNING. A handler added on import (rouge-score logs through absl when its scorer is built
+    without a tokenizer, and that first call configures the root logger) turns train.py's logging.basicConfig into a
+    no-op, and the run's log goes silent."""
+    import subprocess
+    import sys
+
+    names = sorted(first_party_modules())
+    command = [sys.executable, "-c", IMPORT_AND_REPORT_ROOT_LOGGER, *names]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == f"{names[-1]} [] WARNING", result.stdout
+
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ROOM_ROW = re.compile(r"^\| `(\w+)/` \| (.+) \|$", re.MULTILINE)
+UPWARD_LINE = re.compile(r"^Upward imports, each by its module: (.+)$", re.MULTILINE)
+NAMED_IMPORT = re.compile(r"`([\w/]+\.py)`\s+imports\s+`([\w.]+)`")
+# "`data/config.py` imports only `core.config_tree` and `data.synthetic`", "`x.py` imports nothing first-party"
+IMPORTS_ONLY = re.compile(
+    r"`([\w/]+\.py)`\s+imports\s+(only\s+((?:`[\w.]+`(?:,\s+|\s+and\s+)?)+)|nothing\s+first-party)"
+)
+
+
+def layers_section() -> str:
+    """docs/architecture.md's "## Layers" section."""
+    text = ARCHITECTURE.read_text()
+    start = text.index("## Layers\n")
+    end = text.find("\n## ", start + 1)
+    return text[start : end if end != -1 else len(text)]
+
+
+def first_party_imports(relative: str) -> set[str]:
+    return {name for name in imported_modules(ROOT / relative) if name.split(".")[0] in FIRST_PARTY}
+
+
+def test_architecture_states_the_rules_the_code_keeps():
+    """docs/architecture.md's table of what each room may import is ALLOWED, room by room (which every import of
+    the code keeps: test_package_imports_only_lower_layers), and it lists no upward import, as the code makes none:
+    the page cannot promise a layering the code does not have."""
+    section = layers_section()
+    rooms = {}
+    for room, cell in ROOM_ROW.findall(section):
+        rooms[room] = {room} | (set() if cell == "nothing first-party" else set(re.findall(r"`(\w+)`", cell)))
+    assert rooms == ALLOWED
+    line = UPWARD_LINE.search(section)
+    assert line, "the Layers section lists no upward imports (write 'Upward imports, each by its module: none.')"
+    assert line.group(1) == "none." and not NAMED_IMPORT.findall(line.group(1)), line.group(1)
+
+
+def test_architecture_drawing_shows_every_room_once():
+    """The Layers drawing shows train.py, scripts/ and each room of ALLOWED exactly once, as a label (a name after two
+    spaces: the drawing's columns; a description may name a room after one)."""
+    section = layers_section()
+    drawing = section[section.index("```") : section.index("```", section.index("```") + 3)]
+    for room in ["train.py", "scripts/", *(f"{package}/" for package in ALLOWED)]:
+        found = re.findall(rf"(?<=\s\s){re.escape(room)}(?=\s)", drawing)
+        assert len(found) == 1, f"{room} appears {len(found)} times in the drawing"
+
+
+def test_architecture_imports_only_claims_hold():
+    """Each "`<module>` imports only `<a>` and `<b>`" and "`<module>` imports nothing first-party" in
+    docs/architecture.md names exactly that module's first-party imports."""
+    claims = IMPORTS_ONLY.findall(ARCHITECTURE.read_text())
+    assert claims, "docs/architecture.md makes no imports-only claim to check"
+    for module, _, names in claims:
+        assert first_party_imports(module) == set(re.findall(r"`([\w.]+)`", names)), module
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

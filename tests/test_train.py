@@ -33,6 +33,7 @@ from lifecycle import checkpoint, trusted_resume
 from modeling import parts
 from modeling.build import build_model
 from modeling.packed import enable_packed_forward
+from tests.test_config import LAUNCH_REPORTING_IMPORTS
 from tests.test_data_pipeline import forkserver_processes
 from trainer import loop, metrics, optim, step, tracking
 
@@ -616,6 +617,43 @@ def test_resume_logs_each_step_once_and_summarizes_the_whole_run(finished_run, d
     assert summary["loss_start"] == full_summary["loss_start"] and summary["loss_end"] == full_summary["loss_end"]
     assert summary["steps"] == 4 and summary["timed_steps"] == 1 + 1  # step 2 (launch 1) + step 4 (launch 2)
     assert json.loads((resumed / "summary.json").read_text()) == summary
+
+
+# Libraries a CPU run without generation has no use for: the scoring libraries (inference/scoring.py) and inductor's
+# lowering tables (modeling/eager_reductions.py, read only when blocks compile)
+UNUSED_ON_A_CPU_RUN = ("rouge_score", "sacrebleu", "nltk", "modeling.eager_reductions", "torch._inductor.lowering")
+
+
+def launch_train(*args: str) -> tuple[str, list[str]]:
+    """train.py launched in a fresh process with `args`: (its output, stdout then stderr; the UNUSED_ON_A_CPU_RUN
+    modules it imported). Fails the test unless it exits 0."""
+    command = [sys.executable, "-c", LAUNCH_REPORTING_IMPORTS.format(names=UNUSED_ON_A_CPU_RUN), *args]
+    env = {**os.environ, "WANDB_MODE": "disabled"}
+    result = subprocess.run(command, cwd=Path(train.__file__).parent, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = result.stdout + result.stderr
+    reported = [line.split()[1:] for line in result.stderr.splitlines() if line.startswith("imported:")]
+    assert len(reported) == 1, result.stderr[-3000:]
+    return output, reported[0]
+
+
+def test_train_py_speaks_in_its_own_format_and_imports_only_what_the_run_uses(finished_run, data_cache, tmp_path):
+    """train.py, launched as a user launches it, logs on the main process in its own format (the message alone): what
+    each `auto` setting resolved to, the checkpoint it resumed from, the export, and, relaunched on the finished run,
+    that there is nothing left to do; no library's handler or format takes its log over (nothing configures logging
+    when imported). A CPU run without generation imports no scoring library and no inductor lowering."""
+    out, _ = finished_run
+    resumed = copy_run_until(out, 2, tmp_path / "resumed")
+    args = ["--config", TINY, *run_args(resumed, data_cache), "--resume"]
+    output, imported = launch_train(*args)
+    lines = output.splitlines()
+    assert "train.compile=auto -> false (no CUDA)" in lines, output[-3000:]
+    assert f"resumed from {resumed / 'checkpoints' / 'step_00000002'} at step 2" in lines, output[-3000:]
+    assert f"exported {resumed / 'final'}" in lines, output[-3000:]
+    assert not [line for line in lines if re.match(r"(DEBUG|INFO|WARNING|ERROR):[\w.]+:", line)], output[-3000:]
+    assert imported == [], imported
+    output, _ = launch_train(*args)
+    assert f"{resumed} already reached train.max_steps=4; raise it to train further" in output.splitlines(), output
 
 
 def test_changed_config_on_resume_is_refused_or_used_and_recorded(finished_run, data_cache, tmp_path):

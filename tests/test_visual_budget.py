@@ -11,7 +11,7 @@ import torch
 from core.config import load_config
 from core.families import hf_config
 from data.pipeline import build_data, load_processor
-from data.processing import Visual, fit_visuals, visual_tokens
+from data.processing import Visual, fit_visuals, smart_resize, visual_tokens
 from modeling.packed import enable_packed_forward
 from tests.test_packed_forward import FAMILIES, assert_within
 from tests.tiers import tiered
@@ -35,20 +35,31 @@ def random_visuals(rng: random.Random) -> list[Visual]:
     return visuals or [Visual(300, 400, *IMAGE_BOUNDS)]
 
 
+def smallest_tokens(visuals: list[Visual]) -> int:
+    """Visual tokens of a sample's smallest form, from the processor's rule: every video at one temporal patch, every
+    image and frame as transformers' smart_resize sizes it under a pixel cap of one merge window (one window, or a
+    few for a long thin or tiny image, whose aspect ratio the rule keeps)."""
+    window = FACTOR * FACTOR
+    sizes = [smart_resize(v.height, v.width, FACTOR, min(v.min_pixels, window), window) for v in visuals]
+    return sum((height // FACTOR) * (width // FACTOR) for height, width in sizes)
+
+
 def test_fitted_visuals_never_exceed_the_budget():
     """Over 600 random samples and budgets: a fitted sample's visual tokens never exceed the budget; one that fits
     is unchanged; sides stay multiples of patch x merge with the aspect ratio kept to within that rounding; videos
-    lose frames before anything loses resolution; None only where even the smallest form does not fit."""
+    lose frames before anything loses resolution; None exactly where even the smallest form is over the budget,
+    long thin images (more than one window at their smallest) included."""
     rng = random.Random(0)
-    shrunk = framed = refused = 0
+    shrunk = framed = refused = refused_long_thin = 0
     for _ in range(600):
         visuals, budget = random_visuals(rng), rng.choice([1, 4, 16, 64, 256, 1024, 8192])
         fitted = fit_visuals(visuals, budget, FACTOR, TEMPORAL)
         before = visual_tokens(visuals, FACTOR, TEMPORAL)
+        smallest = smallest_tokens(visuals)
         if fitted is None:
-            smallest = sum(-(-min(v.frames, TEMPORAL) // TEMPORAL) if v.frames else 1 for v in visuals)
-            assert smallest > budget or any(max(v.height, v.width) / min(v.height, v.width) > 2 for v in visuals)
+            assert smallest > budget, (visuals, budget)
             refused += 1
+            refused_long_thin += smallest > len(visuals)
             continue
         assert visual_tokens(fitted, FACTOR, TEMPORAL) <= budget
         if before <= budget:
@@ -65,7 +76,7 @@ def test_fitted_visuals_never_exceed_the_budget():
             if min(height, width) >= 4 * FACTOR:
                 drift = abs(math.log((height / width) / (original.height / original.width)))
                 assert drift <= 2 * FACTOR / min(height, width)
-    assert shrunk > 50 and framed > 10 and refused > 10  # every branch is exercised
+    assert shrunk > 50 and framed > 10 and refused > 10 and refused_long_thin > 5  # every branch is exercised
 
 
 def budget_cfg(cache, family: str, budget, *overrides: str):

@@ -40,7 +40,7 @@ from accelerate.utils import DistributedType, broadcast_object_list
 from core import families
 from core.config import Config, ConfigError, ModelConfig
 from data.pipeline import cpu_cores, default_loader_workers, local_processes
-from modeling import attention_engines, fp8
+from modeling import attention_engines, fp8, master_weights
 from trainer import activation_checkpointing, memory_check
 
 log = logging.getLogger(__name__)
@@ -124,18 +124,4 @@ def _fp8(cfg: Config, train, accelerator: Accelerator) -> tuple[bool, str]:
 def _master_weights(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[str, str]:
     """train.master_weights for auto, and why."""
     fsdp = accelerator.distributed_type == DistributedType.FSDP
-    return auto_master_weights(cfg.model.dtype, fsdp, accelerator.num_processes, on_cuda)
-
-
-def auto_master_weights(model_dtype: str, fsdp: bool, num_processes: int, on_cuda: bool) -> tuple[str, str]:
-    """train.master_weights=auto for a launch of `num_processes` processes (under FSDP2 or not) on CUDA or not, and
-    why (the module docstring's rule; trainer/memory_estimate.py applies it before any process starts)."""
-    if fsdp:
-        return "module", "FSDP2 computes in bf16 on fp32 masters itself"
-    if num_processes > 1:
-        return "module", "DDP would reduce bf16 gradients in bf16"
-    if not on_cuda:
-        return "module", "no CUDA"
-    if model_dtype != "bfloat16":
-        return "module", f"model.dtype={model_dtype}"
-    return "optimizer", "one CUDA process, bfloat16"
+    return master_weights.auto_mode(cfg.model.dtype, fsdp, accelerator.num_processes, on_cuda)

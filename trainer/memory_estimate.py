@@ -70,7 +70,7 @@ from core.config import Config, ModelConfig
 from core.data_config import source_data_config
 from core.families import hf_config, model_class
 from modeling import parts
-from modeling.master_weights import cast_param_ids
+from modeling.master_weights import auto_mode, cast_param_ids
 from trainer.loss import CE_CHUNK_ELEMENTS, CE_KERNEL_CHUNK_ELEMENTS
 
 GIB = 2**30
@@ -184,13 +184,11 @@ def resolved_master_weights(cfg: Config, num_processes: int, sharding: Sharding,
     """The master-weight mode the launch computes with: `train.master_weights` with `auto` resolved as
     trainer/defaults.py resolves it, "fsdp2" under FSDP2 (its mixed precision: fp32 shards, bf16 gathers), and
     "module" where the key has no effect (float32 weights)."""
-    from trainer.defaults import auto_master_weights
-
     if sharding == "fsdp2" and num_processes > 1:
         return "fsdp2"
     mode = cfg.train.master_weights
     if mode == "auto":
-        mode, _ = auto_master_weights(cfg.model.dtype, sharding == "fsdp2", num_processes, on_cuda)
+        mode, _ = auto_mode(cfg.model.dtype, sharding == "fsdp2", num_processes, on_cuda)
     return "module" if cfg.model.dtype == "float32" else mode
 
 
