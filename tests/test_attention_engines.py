@@ -152,3 +152,29 @@ def test_bench_commands_refuse_a_host_without_cuda():
     for main in (attention_main, fp8_main):
         with pytest.raises(SystemExit, match="needs a CUDA GPU"):
             main([])
+
+
+def test_the_model_sends_each_head_dim_to_its_engine(tiny_model, tiny_samples, monkeypatch):
+    """With fa4 chosen, every packed varlen call of a model goes to fa4 only where its head dim is one fa4 computes
+    exactly, and to fa2 elsewhere: the text and the ViT of one model can take different engines. Simulated on the
+    CPU: the varlen path taken in bf16, each call recorded and computed per segment."""
+    import modeling.packed as packed
+
+    calls = []
+
+    def recording(engine, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, causal):
+        calls.append((engine, q.shape[-1], causal))
+        lengths = (cu_seqlens_q[1:] - cu_seqlens_q[:-1]).tolist()
+        return packed.per_segment_sdpa(*(t.transpose(0, 1)[None] for t in (q, k, v)), lengths, scale, causal)
+
+    monkeypatch.setattr(packed, "VARLEN_DEVICES", ("cpu",))
+    monkeypatch.setattr(attention_engines, "varlen_attention", recording)
+    monkeypatch.setattr(attention_engines, "FA4_HEAD_DIMS", (16,))
+    model = tiny_model("qwen3_vl", dtype="bfloat16", vision_config={"num_heads": 1})  # text head dim 16, ViT 32
+    enable_packed_forward(model, attention_engine="fa4")
+    batch = pack_samples(model, tiny_samples(model, MIXED_PACK))
+    with torch.no_grad():
+        model(**packed_model_inputs(model, batch), use_cache=False)
+    text_layers, vision_blocks = len(model.model.language_model.layers), model.config.vision_config.depth
+    assert sorted(set(calls)) == [("fa2", 32, False), ("fa4", 16, True)]
+    assert calls.count(("fa4", 16, True)) == text_layers and calls.count(("fa2", 32, False)) == vision_blocks
