@@ -147,6 +147,7 @@ print(name, logging.root.handlers, logging.getLevelName(logging.root.level))
 """
 
 
+@pytest.mark.slow  # a fresh process imports every module (~8 s); test_train.py checks train.py's own log fast
 def test_no_module_configures_logging_when_imported():
     """Importing train.py and every first-party module, scripts included, leaves the root logger as Python starts it:
     no handler, level WARNING. A handler added on import (rouge-score logs through absl when its scorer is built
