@@ -147,8 +147,7 @@ class TrainConfig:
     # "auto" = on with CUDA, off on the CPU (trainer/defaults.py)
     compile: bool | Literal["auto"] = "auto"
     # float8 matmuls in the decoder layers' linears (torchao, modeling/fp8.py; needs compile and a GPU of compute
-    # capability >= 8.9): true / false; "auto" = on where measured faster with its loss curve inside bf16's spread
-    # (trainer/defaults.py says where that holds)
+    # capability >= 8.9): true / false; "auto" = false, as measured slower than bf16 (trainer/defaults.py)
     fp8: bool | Literal["auto"] = "auto"
     # before the model is built, compare the memory estimate (trainer/memory_estimate.py) with the device's: true =
     # stop in one line, with the overrides that fit, when it cannot fit; "warn" = log that line and go on; false = skip

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import logging
 from typing import Literal
 
 import torch
 
-logger = logging.getLogger(__name__)
+from core.config_tree import ConfigError
 
 Engine = Literal["fa2", "fa4"]
 ENGINES: tuple[str, ...] = ("fa2", "fa4")
@@ -71,12 +70,12 @@ def fa2_kernel_name() -> str:
 def resolve_engine(requested: str, device: torch.device | None = None) -> tuple[Engine, str]:
     """The engine a run uses and the reason, for `kernels.attention` = "auto" | "fa2" | "fa4".
 
-    "fa4" on a host where it cannot run raises ValueError naming what is missing; "auto" falls back to fa2 and the
-    reason says why. On a CPU the engines are not called (packed attention takes per-sample SDPA there), so "auto"
-    resolves to fa2 without looking further.
+    "fa4" on a host where it cannot run raises ConfigError (train.py's one-line error) naming what is missing;
+    "auto" falls back to fa2 and the reason says why. On a CPU the engines are not called (packed attention takes
+    per-sample SDPA there), so "auto" resolves to fa2 without looking further.
     """
     if requested not in ("auto", *ENGINES):
-        raise ValueError(f"kernels.attention must be auto, fa2 or fa4, got {requested!r}.")
+        raise ConfigError(f"kernels.attention must be auto, fa2 or fa4, got {requested!r}.")
     if requested == "fa2":
         return "fa2", f"requested ({fa2_kernel_name()})"
     on_cuda = device is not None and device.type == "cuda" and torch.cuda.is_available()
@@ -91,7 +90,7 @@ def resolve_engine(requested: str, device: torch.device | None = None) -> tuple[
     if missing is None:
         return "fa4", "FlashAttention-4 (flash_attn.cute) on this GPU"
     if requested == "fa4":
-        raise ValueError(f"kernels.attention=fa4 cannot run here: {missing}. Use kernels.attention=auto or fa2.")
+        raise ConfigError(f"kernels.attention=fa4 cannot run here: {missing}. Use kernels.attention=auto or fa2.")
     return "fa2", f"{fa2_kernel_name()}; fa4 not used: {missing}"
 
 

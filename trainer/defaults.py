@@ -10,9 +10,9 @@ and stays light on a CPU:
                           and in float32 or float16
     kernels.attention     auto → fa4 where flash-attn-4 imports and the GPU is Hopper or Blackwell, else fa2, with the
                           reason (modeling/attention_engines.py); fa4 asked for where it cannot run is an error
-    train.fp8             auto → true only for the model types in FP8_AUTO_MODEL_TYPES (measured faster, 30-step loss
-                          curve inside bf16's run-to-run spread: docs/performance.md), on a GPU that runs float8,
-                          compiled, outside FSDP2; else false with the reason. true where it cannot run is an error
+    train.fp8             auto → false, with the reason: on the Qwen3-VL-2B recipe float8 decoder linears ran slower
+                          than bf16 with a higher loss (docs/performance.md#fp8-linears); true needs a GPU that runs
+                          float8, compile and no FSDP2, and where it cannot run it is an error
     data.num_workers      null → with CUDA, min(8, CPU cores per local process - 1), at least 1; on the CPU 0 (batches
                           collate in the prefetch thread: the cores are busy with the step itself); the rule is
                           data/pipeline.py's `default_loader_workers`, which build_data also applies to a null
@@ -37,18 +37,12 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import DistributedType, broadcast_object_list
 
-from core import families
-from core.config import Config, ConfigError, ModelConfig
+from core.config import Config, ConfigError, ModelConfig, TrainConfig
 from data.pipeline import cpu_cores, default_loader_workers, local_processes
 from modeling import attention_engines, fp8, master_weights
 from trainer import activation_checkpointing, memory_check
 
 log = logging.getLogger(__name__)
-
-FP8_AUTO_MODEL_TYPES: frozenset[str] = frozenset()
-"""Model types whose training `train.fp8=auto` puts on float8: none. Measured on the Qwen3-VL-2B recipe, float8
-decoder linears were slower than bf16 with a higher loss (docs/performance.md#fp8-linears); a type joins once its
-recipe runs faster and its 30-step curve stays inside bf16's spread (scripts/curve_spread.py)."""
 
 
 def resolve(cfg: Config, accelerator: Accelerator) -> Config:
@@ -66,7 +60,7 @@ def resolve(cfg: Config, accelerator: Accelerator) -> Config:
         train = dataclasses.replace(train, master_weights=mode)
         chosen.append(f"train.master_weights=auto -> {mode} ({why})")
     if train.fp8 is not False:
-        enabled, why = _fp8(cfg, train, accelerator)
+        enabled, why = _fp8(train, accelerator)
         if train.fp8 == "auto":
             chosen.append(f"train.fp8=auto -> {str(enabled).lower()} ({why})")
         train = dataclasses.replace(train, fp8=enabled)
@@ -101,7 +95,7 @@ def _checkpointing(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tupl
     return chosen[0], chosen[1]
 
 
-def _fp8(cfg: Config, train, accelerator: Accelerator) -> tuple[bool, str]:
+def _fp8(train: TrainConfig, accelerator: Accelerator) -> tuple[bool, str]:
     """train.fp8 made concrete (train.compile already is), and why; raises ConfigError for fp8=true where it cannot
     run."""
     blocker = fp8.fp8_unavailable(accelerator.device)
@@ -113,12 +107,7 @@ def _fp8(cfg: Config, train, accelerator: Accelerator) -> tuple[bool, str]:
         if blocker is not None:
             raise ConfigError(f"train.fp8=true cannot run here: {blocker}. Use train.fp8=auto or false.")
         return True, "requested"
-    if blocker is not None:
-        return False, blocker
-    model_type = families.recipe_model_config(cfg.model.config or {}).get("model_type") if cfg.model.config else None
-    if model_type not in FP8_AUTO_MODEL_TYPES:
-        return False, f"model type {model_type} not in the types measured faster and exact under float8"
-    return True, f"{model_type}: measured faster, curve inside bf16's spread"
+    return False, blocker or "measured slower than bf16 on the recipes (docs/performance.md#fp8-linears)"
 
 
 def _master_weights(cfg: Config, accelerator: Accelerator, on_cuda: bool) -> tuple[str, str]:
